@@ -1,0 +1,30 @@
+# kvpilot: every set-up step lives here, so `make demo` and `make test` work on a fresh clone.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Caches live outside the clone so repeated runs (and CI on a clean clone) reuse them.
+export PIP_CACHE_DIR ?= $(HOME)/.cache/pip
+export KVPILOT_CACHE_DIR ?= $(HOME)/.cache/kvpilot
+
+.PHONY: dev test test-fast demo clean
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade --quiet pip
+	$(PY) -m pip install --progress-bar on -e '.[dev]'
+	@touch $@
+
+dev: $(VENV)/.installed
+
+test: dev
+	$(PY) -m pytest -q tests e2e
+
+test-fast: dev
+	$(PY) -m pytest -q tests
+
+demo: dev
+	$(VENV)/bin/kvpilot generate --model builtin:tiny --prompt "The capital of France is" --max-tokens 24
+
+clean:
+	rm -rf $(VENV) build *.egg-info
