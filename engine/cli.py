@@ -1,0 +1,151 @@
+"""The `kvpilot` command. Subcommands import their heavy dependencies lazily."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .config import ATTENTION_BACKENDS, DTYPE_CHOICES, EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags, named as vLLM names them."""
+    p.add_argument("--model", required=True, help="model directory, file:///PATH or builtin:tiny")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    mem = p.add_mutually_exclusive_group()
+    mem.add_argument("--kv-cache-memory", default=None,
+                     help="KV cache size in bytes (64Mi, 1G and plain integers work); CPU default 1Gi")
+    mem.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
+        device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+        attention_backend=args.attention_backend, seed=args.seed,
+    )
+
+
+def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from .tiny_model import make_tiny_model
+
+    path = make_tiny_model(
+        args.dir, arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
+        kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab,
+        seed=args.seed, dtype=args.dtype, max_position_embeddings=args.max_position_embeddings,
+        tie_word_embeddings=args.tie_word_embeddings, rope_theta=args.rope_theta,
+        rope_scaling=json.loads(args.rope_scaling) if args.rope_scaling else None,
+    )
+    print(path)
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from .llm import LLM
+    from .sampling_params import SamplingParams
+
+    config = engine_config_from_args(args)
+    llm = LLM(**vars(config))
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
+        top_p=args.top_p, top_k=args.top_k,
+    )
+    out = llm.generate([args.prompt], params, use_tqdm=False)[0]
+    completion = out.outputs[0]
+    if args.json:
+        print(json.dumps({
+            "prompt": args.prompt, "text": completion.text, "token_ids": completion.token_ids,
+            "prompt_tokens": len(out.prompt_token_ids), "finish_reason": completion.finish_reason,
+        }))
+    else:
+        print(args.prompt + completion.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpilot", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-tiny-model", help="write a small random-weight HF-format model")
+    p.add_argument("dir")
+    p.add_argument("--arch", default="llama", choices=("llama", "qwen2", "mistral"))
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--intermediate", type=int, default=688)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--max-position-embeddings", type=int, default=4096)
+    p.add_argument("--tie-word-embeddings", action="store_true")
+    p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument("--rope-scaling", default=None, help='JSON, e.g. {"rope_type":"llama3",...}')
+    p.set_defaults(func=_cmd_make_tiny_model)
+
+    p = sub.add_parser("generate", help="generate one completion offline")
+    add_engine_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    from .bench_throughput import add_parser as add_bench_throughput
+
+    add_bench_throughput(bench)
+    _add_optional_commands(sub, bench)
+    return parser
+
+
+def _add_optional_commands(sub, bench) -> None:
+    """Server, serving benchmark and operator live in modules that may not exist yet in
+    a partial install; each registers its own parser."""
+    import importlib
+
+    for module, target in (
+        ("kvpilot.engine.server.cli", sub),
+        ("kvpilot.engine.bench_serve", bench),
+        ("kvpilot.operator.cli", sub),
+    ):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name and module.startswith(exc.name):
+                continue
+            raise
+        mod.add_parser(target)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:
+        print(f"kvpilot: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

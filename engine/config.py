@@ -1,0 +1,62 @@
+"""Engine settings: one dataclass, validated once at the edge (CLI, server, LLM())."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .quantity import parse_bytes
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when the user gives nothing on CPU
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None  # bytes; CPU default 1 GiB
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a model directory or builtin:tiny")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.max_model_len is not None and (
+            isinstance(self.max_model_len, bool)
+            or not isinstance(self.max_model_len, int)
+            or self.max_model_len < 1
+        ):
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes("kv_cache_memory", self.kv_cache_memory)
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model

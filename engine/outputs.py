@@ -1,0 +1,73 @@
+"""What the engine hands back: vLLM-shaped request and completion outputs, and stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely alternatives, best first
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str  # cumulative; while streaming, a possible stop-string prefix is held back
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Monotonic timestamps (time.monotonic()) of one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class EngineStats:
+    """A point-in-time view for metrics: gauges plus monotonically growing counters."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks held by requests
+    num_kv_blocks: int
+    num_preemptions_total: int
+    prefix_cache_queries_total: int  # tokens
+    prefix_cache_hits_total: int  # tokens
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    max_num_seqs: int
+    max_model_len: int

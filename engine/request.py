@@ -1,0 +1,91 @@
+"""One sequence being served: its tokens, progress and timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, to be recomputed
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass
+class RequestTimes:
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """A single sequence. `num_computed_tokens` chases `num_tokens`; that is the whole
+    scheduling rule: a prompt is many uncomputed tokens, a decode is one."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved against max_model_len at admission
+    stop_token_ids: frozenset[int]  # eos (unless ignore_eos) plus the user's stop ids
+    generator: torch.Generator | None = None
+    times: RequestTimes = field(default_factory=lambda: RequestTimes(arrival=time.monotonic()))
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_at(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def append_token(self, token_id: int) -> RequestStatus | None:
+        """Record a sampled token; return the finishing status if it ends the request."""
+        self.output_token_ids.append(token_id)
+        n = len(self.output_token_ids)
+        if token_id in self.stop_token_ids and n > self.sampling_params.min_tokens:
+            self.stop_reason = (
+                token_id if token_id in (self.sampling_params.stop_token_ids or ()) else None
+            )
+            return RequestStatus.FINISHED_STOPPED
+        if n >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

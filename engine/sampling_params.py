@@ -1,0 +1,100 @@
+"""Per-request sampling settings, validated once where they enter the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+def _require_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _require_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+@dataclass
+class SamplingParams:
+    """vLLM-shaped sampling parameters. temperature 0 means greedy."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or vLLM's -1) disables top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top alternatives per generated token
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stop_strings: tuple[str, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        if _require_int("n", self.n) < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if _require_number("temperature", self.temperature) < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        top_p = _require_number("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if _require_int("top_k", self.top_k) == -1:
+            self.top_k = 0
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 or -1 (disabled) or at least 1, got {self.top_k}")
+        if not 0.0 <= _require_number("min_p", self.min_p) <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= _require_number(name, getattr(self, name)) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if _require_number("repetition_penalty", self.repetition_penalty) <= 0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if self.seed is not None:
+            _require_int("seed", self.seed)
+        if self.max_tokens is not None and _require_int("max_tokens", self.max_tokens) < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if _require_int("min_tokens", self.min_tokens) < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        if self.logprobs is not None:
+            if not 0 <= _require_int("logprobs", self.logprobs) <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        for s in stops:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        self.stop_strings = tuple(stops)
+        ids = list(self.stop_token_ids or [])
+        for t in ids:
+            if _require_int("stop_token_ids", t) < 0:
+                raise ValueError(f"stop_token_ids must be non-negative, got {t}")
+        self.stop_token_ids = ids
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

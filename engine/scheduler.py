@@ -1,0 +1,156 @@
+"""Continuous batching with one rule: each request's computed tokens chase its tokens."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache_manager import KVCacheManager
+from .request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerLimits:
+    """The limits the scheduler enforces; max_num_seqs and max_model_len can change live."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's last token, so its logits are sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, kv_cache: KVCacheManager) -> None:
+        self.limits = limits
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.limits.max_num_batched_tokens
+        # 1. Running requests first, oldest first; the newest is preempted when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while self.kv_cache.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            i += 1
+        # 2. Admit waiting requests in arrival order, unless this step already ran short.
+        now = time.monotonic()
+        while (
+            not out.preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.limits.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if self.kv_cache.allocate_slots(request, num_new, hit_blocks) is None:
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_hit
+            if request.times.first_scheduled is None:
+                request.times.first_scheduled = now
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        """Preempt by recompute: drop its KV blocks and queue it first in line."""
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens; return requests that got a token."""
+        progressed = []
+        for item in out.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            # max_tokens was fixed against max_model_len at admission, so a live change
+            # of max_model_len never cuts a request already accepted.
+            status = request.append_token(token)
+            progressed.append(request)
+            if status is not None:
+                self.finish(request, status)
+        return progressed
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request (stop, length or abort) and free its blocks; idempotent."""
+        if request.status.finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        request.times.finished = time.monotonic()
+        self.kv_cache.free(request)
+        self.requests.pop(request.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
