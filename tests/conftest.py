@@ -1,0 +1,28 @@
+import os
+
+# Triton kernels run in Triton's CPU interpreter in the fast tests. The variable is
+# read when triton is first imported, so it is set here, before any test module
+# (or the engine's triton backend) can import triton. A GPU run can override it
+# with TRITON_INTERPRET=0.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """One model of the builtin:tiny shape (make-tiny-model defaults, seed 0) per session."""
+    from kvpilot.engine.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    """A small Qwen2 model (q/k/v biases, Qwen2 pre-tokenizer) per session."""
+    from kvpilot.engine.tiny_model import make_tiny_model
+
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-qwen2") / "model",
+        arch="qwen2", layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=2048,
+    )
