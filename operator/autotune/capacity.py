@@ -1,0 +1,169 @@
+"""Capacity planning: the KV-cache sizing formula run backwards.
+
+Forwards, a sequence of L tokens needs 2 (K and V) x layers x kv_heads x head_dim x
+dtype bytes per token, allocated in whole blocks. Backwards: the bytes left for the KV
+cache (a configured `kv_cache_memory`, or GPU memory x utilisation - weights - an
+activation reserve) divided by the bytes one sequence needs at the observed p99 length
+gives the number of sequences the cache can hold at once. Compared with `max_num_seqs`
+that says which limit binds first:
+
+- TuningBound: the cache holds more sequences than `max_num_seqs` admits, so the
+  scheduler's cap binds and raising it is free capacity;
+- HardwareBound: `max_num_seqs` admits more sequences than the cache holds, so the
+  extra ones only get preempted; more throughput needs more memory or replicas.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8": 1}
+
+_SUFFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def parse_quantity(value: int | float | str) -> int:
+    """Bytes from an int or a Kubernetes quantity ("64Mi", "1G", "1073741824")."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a byte count: {value!r}")
+    if isinstance(value, (int, float)):
+        return int(value)
+    text = value.strip()
+    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+        if suffix and text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * _SUFFIXES[suffix])
+    return int(float(text))
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The parts of a model's config that size its KV cache."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    weight_bytes: int = 0
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @classmethod
+    def from_hf_config(cls, config: dict, dtype: str = "float32", weight_bytes: int = 0) -> ModelShape:
+        """From a Hugging Face config.json dict (Llama/Qwen2 field names)."""
+        heads = int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+        return cls(
+            num_layers=int(config["num_hidden_layers"]),
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            dtype_bytes=DTYPE_BYTES[dtype],
+            weight_bytes=weight_bytes,
+        )
+
+
+# builtin:tiny: 4 layers, 4 KV heads of dim 32; in float32 that is 4 KiB per token.
+TINY_FLOAT32 = ModelShape(num_layers=4, num_kv_heads=4, head_dim=32, dtype_bytes=4)
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    kv_cache_bytes: int
+    bytes_per_token: int
+    seq_len: int  # the length planned for (observed p99, rounded up to whole blocks)
+    bytes_per_sequence: int
+    max_concurrent_seqs: int  # sequences of seq_len the cache holds at once
+    max_num_seqs: int
+    bound: str  # "TuningBound" | "HardwareBound"
+    summary: str
+
+    def to_status(self) -> dict:
+        return {
+            "kvCacheBytes": self.kv_cache_bytes,
+            "bytesPerToken": self.bytes_per_token,
+            "seqLen": self.seq_len,
+            "bytesPerSequence": self.bytes_per_sequence,
+            "maxConcurrentSeqs": self.max_concurrent_seqs,
+            "maxNumSeqs": self.max_num_seqs,
+            "bound": self.bound,
+            "summary": self.summary,
+        }
+
+
+def kv_cache_bytes(
+    shape: ModelShape,
+    *,
+    kv_cache_memory: int | str | None = None,
+    gpu_memory_bytes: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    activation_reserve_bytes: int = 0,
+) -> int:
+    """Bytes available to the KV cache: the configured amount, else what the GPU share
+    leaves after weights and the activation reserve (never negative)."""
+    if kv_cache_memory is not None:
+        return parse_quantity(kv_cache_memory)
+    if gpu_memory_bytes is None or gpu_memory_utilization is None:
+        raise ValueError("need kv_cache_memory, or gpu_memory_bytes with gpu_memory_utilization")
+    budget = gpu_memory_bytes * gpu_memory_utilization - shape.weight_bytes - activation_reserve_bytes
+    return max(0, int(budget))
+
+
+def plan_capacity(
+    shape: ModelShape,
+    *,
+    seq_len: float,
+    max_num_seqs: int,
+    block_size: int = 16,
+    kv_cache_memory: int | str | None = None,
+    gpu_memory_bytes: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    activation_reserve_bytes: int = 0,
+) -> CapacityPlan:
+    """How many sequences of `seq_len` tokens fit in the KV cache, and which limit binds.
+
+    `seq_len` is rounded up to whole blocks, since the cache hands out blocks, not tokens.
+    """
+    if seq_len <= 0:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    total = kv_cache_bytes(
+        shape,
+        kv_cache_memory=kv_cache_memory,
+        gpu_memory_bytes=gpu_memory_bytes,
+        gpu_memory_utilization=gpu_memory_utilization,
+        activation_reserve_bytes=activation_reserve_bytes,
+    )
+    per_token = shape.kv_bytes_per_token
+    tokens = math.ceil(seq_len / block_size) * block_size
+    per_seq = per_token * tokens
+    fits = total // per_seq
+    bound = "TuningBound" if fits > max_num_seqs else "HardwareBound"
+    head = (f"KV cache {format_bytes(total)} at {format_bytes(per_token)}/token holds "
+            f"{fits} sequences of {tokens} tokens ({format_bytes(per_seq)} each)")
+    if fits == 0:
+        summary = f"{head}: not even one sequence fits; the deployment needs more memory"
+    elif bound == "TuningBound":
+        summary = (f"{head}; max_num_seqs={max_num_seqs} binds first, so raising it "
+                   f"(up to {fits}) is free capacity: tuning-bound")
+    else:
+        summary = (f"{head}; max_num_seqs={max_num_seqs} admits more than fit, so the cache "
+                   f"binds and more throughput needs memory or replicas: hardware-bound")
+    return CapacityPlan(
+        kv_cache_bytes=total,
+        bytes_per_token=per_token,
+        seq_len=tokens,
+        bytes_per_sequence=per_seq,
+        max_concurrent_seqs=int(fits),
+        max_num_seqs=max_num_seqs,
+        bound=bound,
+        summary=summary,
+    )

@@ -1,0 +1,132 @@
+"""The policy's vocabulary: what is being tuned (Settings), within what (Bounds), the
+thresholds it judges by (Thresholds), and what it answers (Decision)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+SETTINGS = ("max_num_seqs", "max_model_len", "replicas")
+
+
+class Diagnosis(str, Enum):
+    PREEMPTION_BOUND = "PreemptionBound"  # the engine recomputes evicted sequences
+    SCHEDULER_BOUND = "SchedulerBound"  # queueing while the KV cache has room: max_num_seqs binds
+    KV_CACHE_BOUND = "KVCacheBound"  # queueing with the cache full and lengths far below max_model_len
+    LENGTH_BOUND = "LengthBound"  # requests refused for length
+    HARDWARE_BOUND = "HardwareBound"  # queueing with no tuning headroom left
+    HEALTHY = "Healthy"
+    IDLE = "Idle"
+    NO_DATA = "NoData"
+
+
+class Action(str, Enum):
+    CHANGE = "change"  # a new setting the caller applies (Auto) or reports (Recommend)
+    REVERT = "revert"  # undo the last change: its verification found its signal worse
+    HOLD = "hold"  # nothing to do, or not allowed to act now (the reason says which)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What is in effect now (the operator's effective settings)."""
+
+    max_num_seqs: int
+    max_model_len: int
+    replicas: int
+    block_size: int = 16
+    max_num_batched_tokens: int | None = None  # max_num_seqs may not exceed it
+    hpa_owns_scale: bool = False  # an HPA owns the replica count: leave replicas alone
+
+
+@dataclass(frozen=True)
+class Range:
+    min: int
+    max: int
+
+    def __post_init__(self) -> None:
+        if self.min > self.max:
+            raise ValueError(f"range min {self.min} > max {self.max}")
+
+    def clamp(self, value: int) -> int:
+        return max(self.min, min(self.max, value))
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The spec's bounds: autotune.maxNumSeqs, autotune.maxModelLen, autoscaling min/max."""
+
+    max_num_seqs: Range
+    max_model_len: Range
+    replicas: Range
+
+    def of(self, setting: str) -> Range:
+        return getattr(self, setting)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Every number the policy judges by. Pairs of enter/exit levels give hysteresis: a
+    condition starts at the enter level and, once it was the diagnosis, holds until the
+    signal crosses the (easier) exit level."""
+
+    # Preemption: rate(vllm:num_preemptions_total), deployment-wide, per second.
+    preempt_enter_per_s: float = 0.1
+    preempt_exit_per_s: float = 0.02
+    # Queueing: p95 of vllm:request_queue_time_seconds, or mean requests waiting (all pods).
+    queue_enter_s: float = 0.5
+    queue_exit_s: float = 0.2
+    waiting_enter: float = 2.0
+    waiting_exit: float = 0.5
+    # KV cache "full": mean of vllm:kv_cache_usage_perc over pods and the window.
+    kv_full_enter: float = 0.90
+    kv_full_exit: float = 0.80
+    # KV cache "low": the max over pods and the window (a peak below it is spare memory).
+    kv_low_enter: float = 0.50
+    kv_low_exit: float = 0.65
+    # Raising max_num_seqs never projects the peak KV usage above this.
+    kv_raise_target: float = 0.85
+    # Idle: completions and requests in flight (running + waiting) below these.
+    idle_rate_per_s: float = 0.01
+    idle_inflight: float = 0.1
+    idle_windows: int = 3  # consecutive idle intervals before a replica is removed
+    scale_out_windows: int = 2  # consecutive queue-bound intervals before a replica is added
+    # Length refusals per second above this mean max_model_len is too short.
+    refusal_enter_per_s: float = 0.0
+    # Step sizes.
+    seq_decrease: float = 0.75  # max_num_seqs x this when preempting ...
+    seq_max_decrease: float = 0.5  # ... or toward the capacity bound, but never below x this
+    seq_increase: float = 1.5
+    len_headroom: float = 1.25  # max_model_len target = p99 length x this, rounded up to blocks
+    len_far_ratio: float = 0.5  # lower only when that target is <= max_model_len x this
+    len_max_divisor: int = 4  # one step lowers max_model_len at most to 1/4
+    len_increase: float = 2.0
+    # Safety.
+    cooldown_s: float = 120.0  # no change within this long after the last applied one
+    flip_backoff_s: float = 600.0  # no retry of a reverted move, no re-lowering after a raise
+    worse_rel: float = 0.2  # verification: worse = above baseline x (1 + worse_rel) + worse_abs
+    worse_abs: dict = field(default_factory=lambda: {
+        "preemptions_per_s": 0.05,
+        "queue_time_p95_s": 0.1,
+        "num_waiting": 1.0,
+        "length_refusals_per_s": 0.01,
+    })
+    revert_replicas: bool = False
+    # Diagnose-only warning: prefix-cache hit rate below this while prompts share a prefix.
+    prefix_hit_low: float = 0.2  # a worse queue after scale-out usually means more load
+
+
+@dataclass(frozen=True)
+class Decision:
+    time: float
+    diagnosis: Diagnosis
+    action: Action
+    reason: str
+    change: dict = field(default_factory=dict)  # setting -> (old, new)
+    target: str | None = None  # the Snapshot signal this change means to lower
+    baseline: float | None = None  # its value when the change was decided
+    verifies: float | None = None  # time of the earlier change this decision judged
+    verified: bool | None = None  # that judgement: True kept, False got worse, None inconclusive
+
+    @property
+    def changes_something(self) -> bool:
+        return self.action is not Action.HOLD and bool(self.change)

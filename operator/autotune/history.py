@@ -1,0 +1,64 @@
+"""The autotuner's memory between intervals: the diagnosis of every recent interval (for
+hysteresis and "sustained" rules) and the recent changes with their verification
+outcome (for cooldown, verification and revert). Immutable: `record` returns a new
+History, so the policy stays a pure function of its inputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .decision import Action, Decision, Diagnosis
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    decision: Decision  # a change or a revert
+    applied: bool  # False in Recommend mode: nothing moved, nothing to verify
+    checked: bool = False  # its verification window has been judged
+    verified: bool | None = None  # the outcome; None while unchecked or when inconclusive
+
+
+@dataclass(frozen=True)
+class History:
+    entries: tuple[HistoryEntry, ...] = ()  # changes and reverts, oldest first
+    diagnoses: tuple[tuple[float, Diagnosis], ...] = ()  # one per interval, oldest first
+    limit: int = 20
+
+    def record(self, decision: Decision, applied: bool) -> History:
+        """This interval's decision added; `applied` says whether the caller applied its
+        change (Auto) or only reported it (Recommend). A decision that verified an
+        earlier change stamps that change's entry with the outcome."""
+        entries = self.entries
+        if decision.verifies is not None:
+            entries = tuple(
+                replace(e, checked=True, verified=decision.verified) if e.decision.time == decision.verifies else e
+                for e in entries
+            )
+        if decision.action is not Action.HOLD and decision.change:
+            entries = entries + (HistoryEntry(decision, applied),)
+        diagnoses = self.diagnoses + ((decision.time, decision.diagnosis),)
+        return replace(self, entries=entries[-self.limit:], diagnoses=diagnoses[-self.limit:])
+
+    def last_diagnosis(self) -> Diagnosis | None:
+        return self.diagnoses[-1][1] if self.diagnoses else None
+
+    def recent_diagnoses(self, n: int) -> tuple[Diagnosis, ...]:
+        """The last n diagnoses, newest last (fewer when history is short)."""
+        return tuple(d for _, d in self.diagnoses[-n:]) if n > 0 else ()
+
+    def last_applied(self) -> HistoryEntry | None:
+        for entry in reversed(self.entries):
+            if entry.applied:
+                return entry
+        return None
+
+    def pending_verification(self) -> HistoryEntry | None:
+        """The newest applied change still waiting for its verification window."""
+        entry = self.last_applied()
+        if (entry is not None and not entry.checked
+                and entry.decision.action is Action.CHANGE and entry.decision.target is not None):
+            return entry
+        return None
+
+    def applied_since(self, since: float) -> tuple[HistoryEntry, ...]:
+        return tuple(e for e in self.entries if e.applied and e.decision.time >= since)

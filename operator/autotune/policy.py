@@ -1,0 +1,335 @@
+"""The autotuner's decision: a pure function of (snapshot, settings, bounds, history,
+now) -> Decision with a reason. No I/O, no clock, no globals.
+
+Order of business each interval:
+1. a setting outside the spec's bounds is clamped back (always, whatever the data);
+2. missing or stale data -> NoData, no decision;
+3. the diagnosis, with hysteresis (enter/exit levels chosen by the last diagnosis);
+4. the last applied change is verified once a whole window after it is in: if the
+   signal it targeted got worse, the answer is its revert;
+5. holds: still verifying, pods not yet reporting the settings, cooldown;
+6. the rule for the diagnosis, in the order a person would diagnose: idle, preemption,
+   length refusals, then queueing split by KV usage (scheduler cap, long max_model_len,
+   hardware).
+"""
+
+from __future__ import annotations
+
+import math
+
+from .capacity import CapacityPlan
+from .decision import Action, Bounds, Decision, Diagnosis, Settings, Thresholds
+from .history import History
+from .signals import Snapshot
+
+DEFAULT_THRESHOLDS = Thresholds()
+_QUEUE_BOUND = (Diagnosis.SCHEDULER_BOUND, Diagnosis.KV_CACHE_BOUND, Diagnosis.HARDWARE_BOUND)
+_PRESSURE = _QUEUE_BOUND + (Diagnosis.PREEMPTION_BOUND,)
+
+
+def decide(
+    snapshot: Snapshot,
+    current: Settings,
+    bounds: Bounds,
+    history: History,
+    now: float,
+    *,
+    capacity: CapacityPlan | None = None,
+    thresholds: Thresholds = DEFAULT_THRESHOLDS,
+) -> Decision:
+    """The decision for this interval. `capacity` (from plan_capacity at the observed p99
+    length) lets a preemption step go straight toward the number of sequences that fit."""
+    clamp = _clamp_to_bounds(current, bounds)
+    no_data = snapshot.no_data_reason()
+    if clamp:
+        reason = "outside the spec's bounds: " + ", ".join(
+            f"{k} {old} -> {new} (bounds [{bounds.of(k).min}, {bounds.of(k).max}])"
+            for k, (old, new) in clamp.items())
+        diagnosis = Diagnosis.NO_DATA if no_data else _diagnose(snapshot, current, bounds, history, thresholds)[0]
+        return Decision(now, diagnosis, Action.CHANGE, reason, change=clamp)
+    if no_data:
+        return Decision(now, Diagnosis.NO_DATA, Action.HOLD, f"no decision: {no_data}")
+
+    diagnosis, evidence = _diagnose(snapshot, current, bounds, history, thresholds)
+
+    # Verification of the last applied change.
+    verifies = verified = None
+    pending = history.pending_verification()
+    if pending is not None:
+        d = pending.decision
+        if snapshot.time - snapshot.window_s < d.time:
+            wait = d.time + snapshot.window_s - snapshot.time
+            return Decision(now, diagnosis, Action.HOLD,
+                            f"{evidence}; verifying {_fmt_change(d.change)} of {_ago(now, d.time)}: "
+                            f"a full window after it is in {wait:.0f}s")
+        value = _signal(snapshot, d.target)
+        worse = value > d.baseline * (1 + thresholds.worse_rel) + thresholds.worse_abs.get(d.target, 0.0)
+        undo = {k: (new, old) for k, (old, new) in d.change.items()
+                if getattr(current, k) == new and (k != "replicas" or thresholds.revert_replicas)}
+        undo = {k: (a, bounds.of(k).clamp(b)) for k, (a, b) in undo.items() if a != bounds.of(k).clamp(b)}
+        verifies = d.time
+        judged = (f"{d.target} {_fmt(d.target, d.baseline)} -> {_fmt(d.target, value)} "
+                  f"after {_fmt_change(d.change)}")
+        if worse and undo and not (current.hpa_owns_scale and "replicas" in undo):
+            return Decision(now, diagnosis, Action.REVERT,
+                            f"verification failed: {judged} got worse; reverting {_fmt_change(undo)}",
+                            change=undo, verifies=verifies, verified=False)
+        verified = (not worse) if all(getattr(current, k) == new for k, (_, new) in d.change.items()) else None
+        if worse:
+            evidence = f"{evidence}; verification: {judged} got worse (not reverted)"
+        elif verified:
+            evidence = f"{evidence}; verified: {judged}"
+
+    def hold(reason: str) -> Decision:
+        return Decision(now, diagnosis, Action.HOLD, reason, verifies=verifies, verified=verified)
+
+    unconfirmed = [f"{k}={sorted(snapshot.reported(k))} (expected {getattr(current, k)})"
+                   for k in ("max_num_seqs", "max_model_len")
+                   if snapshot.reported(k) and snapshot.reported(k) != {getattr(current, k)}]
+    if unconfirmed:
+        return hold(f"{evidence}; waiting for the pods to report " + ", ".join(unconfirmed))
+    last = history.last_applied()
+    if last is not None and now - last.decision.time < thresholds.cooldown_s:
+        left = thresholds.cooldown_s - (now - last.decision.time)
+        return hold(f"{evidence}; cooldown after {_fmt_change(last.decision.change)}: {left:.0f}s left")
+
+    proposal = _act(diagnosis, snapshot, current, bounds, history, now, capacity, thresholds)
+    if proposal is None:
+        return hold(evidence)
+    change, target, extra, diagnosis = proposal
+    if not change:
+        return hold(f"{evidence}; {extra}")
+    return Decision(now, diagnosis, Action.CHANGE, f"{evidence}; {extra}", change=change,
+                    target=target, baseline=_signal(snapshot, target) if target else None,
+                    verifies=verifies, verified=verified)
+
+
+def prefix_cache_warning(snapshot: Snapshot, shared_prefix: bool,
+                         thresholds: Thresholds = DEFAULT_THRESHOLDS) -> str | None:
+    """A warning (for a condition and an Event; never an action) when prompts are known to
+    share a prefix (`shared_prefix`, e.g. a system prompt) yet the cache rarely hits: the
+    usual cause is per-request content (a timestamp, a user name) at the head of the
+    prompt, after which every token misses."""
+    rate = snapshot.prefix_hit_rate
+    if not shared_prefix or rate is None or rate >= thresholds.prefix_hit_low:
+        return None
+    if (snapshot.request_rate_per_s or 0.0) < thresholds.idle_rate_per_s:
+        return None
+    return (f"prefix-cache hit rate {rate:.0%} (< {thresholds.prefix_hit_low:.0%}) although prompts share "
+            f"a prefix: something that changes per request near the start of the prompt defeats the cache; "
+            f"move it after the shared part")
+
+
+# --- diagnosis --------------------------------------------------------------------------
+
+def _diagnose(s: Snapshot, cur: Settings, bounds: Bounds, history: History,
+              t: Thresholds) -> tuple[Diagnosis, str]:
+    prev = history.last_diagnosis()
+    preempt_level = t.preempt_exit_per_s if prev is Diagnosis.PREEMPTION_BOUND else t.preempt_enter_per_s
+    in_queue = prev in _QUEUE_BOUND
+    queue_level = t.queue_exit_s if in_queue else t.queue_enter_s
+    waiting_level = t.waiting_exit if in_queue else t.waiting_enter
+    full_level = t.kv_full_exit if prev in (Diagnosis.KV_CACHE_BOUND, Diagnosis.HARDWARE_BOUND) else t.kv_full_enter
+    low_level = t.kv_low_exit if prev is Diagnosis.SCHEDULER_BOUND else t.kv_low_enter
+
+    queue_p95 = s.queue_time_p95_s or 0.0
+    kv = f"KV usage mean {s.kv_usage_mean:.0%} max {s.kv_usage_max:.0%}"
+    queue = f"queue p95 {queue_p95:.2f}s, {s.num_waiting:.1f} waiting"
+    if s.request_rate_per_s < t.idle_rate_per_s and s.num_running + s.num_waiting < t.idle_inflight:
+        return Diagnosis.IDLE, (f"idle: {s.request_rate_per_s:.3f} req/s, "
+                                f"{s.num_running + s.num_waiting:.2f} in flight")
+    if s.preemptions_per_s >= preempt_level:
+        return Diagnosis.PREEMPTION_BOUND, (
+            f"preemptions {s.preemptions_per_s:.2f}/s (>= {preempt_level:g}/s) with {kv}: "
+            f"the engine recomputes evicted sequences instead of serving")
+    refusals = s.length_refusals_per_s
+    if refusals is not None and refusals > t.refusal_enter_per_s:
+        return Diagnosis.LENGTH_BOUND, (
+            f"{refusals:.2f} requests/s refused for length at max_model_len={cur.max_model_len}")
+    queueing = queue_p95 >= queue_level or s.num_waiting >= waiting_level
+    if not queueing:
+        return Diagnosis.HEALTHY, f"healthy: {queue}, {kv}, {s.preemptions_per_s:.2f} preemptions/s"
+    if s.kv_usage_max < low_level:
+        return Diagnosis.SCHEDULER_BOUND, (
+            f"{queue} while {kv} (peak < {low_level:.0%}): max_num_seqs={cur.max_num_seqs} binds")
+    if s.kv_usage_mean >= full_level and _len_target(s, cur, bounds, t) is not None:
+        return Diagnosis.KV_CACHE_BOUND, (
+            f"{queue} with the cache full ({kv}) and p99 request length {s.request_len_p99:.0f} "
+            f"far below max_model_len={cur.max_model_len}")
+    return Diagnosis.HARDWARE_BOUND, f"{queue} with {kv} and no tuning headroom"
+
+
+# --- actions ----------------------------------------------------------------------------
+
+def _act(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, history: History,
+         now: float, capacity: CapacityPlan | None, t: Thresholds):
+    """(change, target signal, sentence, diagnosis) for the diagnosis, or None to hold."""
+    if diagnosis is Diagnosis.IDLE:
+        return _scale_in(cur, bounds, history, t)
+    if diagnosis is Diagnosis.PREEMPTION_BOUND:
+        new = _lower_seqs(cur, bounds, capacity, t)
+        blocked = _blocked(history, "max_num_seqs", -1, now, t)
+        if new is not None and not blocked:
+            why = (f" toward the {capacity.max_concurrent_seqs} sequences that fit"
+                   if capacity is not None and capacity.max_concurrent_seqs < cur.max_num_seqs else "")
+            return ({"max_num_seqs": (cur.max_num_seqs, new)}, "preemptions_per_s",
+                    f"lower max_num_seqs {cur.max_num_seqs} -> {new}{why}", diagnosis)
+        note = blocked or f"max_num_seqs already at its minimum {bounds.max_num_seqs.min}"
+        queueing = (s.queue_time_p95_s or 0.0) >= t.queue_enter_s or s.num_waiting >= t.waiting_enter
+        if not queueing:
+            return {}, None, f"{note}; the cache is too small for the load", Diagnosis.HARDWARE_BOUND
+        return _scale_out(cur, bounds, history, s, t, note, Diagnosis.HARDWARE_BOUND)
+    if diagnosis is Diagnosis.LENGTH_BOUND:
+        if cur.max_model_len >= bounds.max_model_len.max:
+            return {}, None, f"max_model_len already at its maximum {bounds.max_model_len.max}", diagnosis
+        want = max(cur.max_model_len * t.len_increase,
+                   (s.request_len_p99 or 0) * t.len_headroom)
+        new = bounds.max_model_len.clamp(_round_up(want, cur.block_size))
+        return ({"max_model_len": (cur.max_model_len, new)}, "length_refusals_per_s",
+                f"raise max_model_len {cur.max_model_len} -> {new}", diagnosis)
+    if diagnosis is Diagnosis.SCHEDULER_BOUND:
+        new = _raise_seqs(s, cur, bounds, t)
+        blocked = _blocked(history, "max_num_seqs", +1, now, t)
+        if new is not None and not blocked:
+            target = "queue_time_p95_s" if s.queue_time_p95_s is not None else "num_waiting"
+            return ({"max_num_seqs": (cur.max_num_seqs, new)}, target,
+                    f"raise max_num_seqs {cur.max_num_seqs} -> {new}", diagnosis)
+        note = blocked or f"max_num_seqs already at its limit {_seqs_ceiling(cur, bounds)}"
+        return _scale_out(cur, bounds, history, s, t, note, diagnosis)
+    if diagnosis is Diagnosis.KV_CACHE_BOUND:
+        new = _len_target(s, cur, bounds, t)
+        blocked = _blocked(history, "max_model_len", -1, now, t)
+        if not blocked:
+            target = "queue_time_p95_s" if s.queue_time_p95_s is not None else "num_waiting"
+            return ({"max_model_len": (cur.max_model_len, new)}, target,
+                    f"lower max_model_len {cur.max_model_len} -> {new} "
+                    f"(p99 {s.request_len_p99:.0f} x {t.len_headroom:g}, whole blocks)", diagnosis)
+        return _scale_out(cur, bounds, history, s, t, blocked, Diagnosis.HARDWARE_BOUND)
+    if diagnosis is Diagnosis.HARDWARE_BOUND:
+        return _scale_out(cur, bounds, history, s, t, "", diagnosis)
+    return None
+
+
+def _scale_out(cur: Settings, bounds: Bounds, history: History, s: Snapshot, t: Thresholds,
+               note: str, diagnosis: Diagnosis):
+    prefix = f"{note}; " if note else ""
+    if cur.hpa_owns_scale:
+        return {}, None, f"{prefix}an HPA owns the replica count, so replicas are left to it", diagnosis
+    if cur.replicas >= bounds.replicas.max:
+        return {}, None, f"{prefix}replicas already at the maximum {bounds.replicas.max}", diagnosis
+    earlier = history.recent_diagnoses(t.scale_out_windows - 1)
+    if len(earlier) < t.scale_out_windows - 1 or any(d not in _PRESSURE for d in earlier):
+        return {}, None, (f"{prefix}adding a replica once this lasts "
+                          f"{t.scale_out_windows} intervals"), diagnosis
+    target = "queue_time_p95_s" if s.queue_time_p95_s is not None else "num_waiting"
+    return ({"replicas": (cur.replicas, cur.replicas + 1)}, target,
+            f"{prefix}add a replica {cur.replicas} -> {cur.replicas + 1}", diagnosis)
+
+
+def _scale_in(cur: Settings, bounds: Bounds, history: History, t: Thresholds):
+    floor = max(bounds.replicas.min, 1)  # at zero pods nothing reports load to scale back up
+    if cur.replicas <= floor:
+        return None
+    if cur.hpa_owns_scale:
+        return {}, None, "an HPA owns the replica count, so replicas are left to it", Diagnosis.IDLE
+    earlier = history.recent_diagnoses(t.idle_windows - 1)
+    if len(earlier) < t.idle_windows - 1 or any(d is not Diagnosis.IDLE for d in earlier):
+        return {}, None, f"removing a replica once idle for {t.idle_windows} intervals", Diagnosis.IDLE
+    return ({"replicas": (cur.replicas, cur.replicas - 1)}, None,
+            f"remove a replica {cur.replicas} -> {cur.replicas - 1}", Diagnosis.IDLE)
+
+
+# --- steps ------------------------------------------------------------------------------
+
+def _lower_seqs(cur: Settings, bounds: Bounds, capacity: CapacityPlan | None, t: Thresholds) -> int | None:
+    n = cur.max_num_seqs
+    new = math.floor(n * t.seq_decrease)
+    if capacity is not None and capacity.max_concurrent_seqs < new:
+        new = max(capacity.max_concurrent_seqs, math.floor(n * t.seq_max_decrease))
+    new = bounds.max_num_seqs.clamp(min(new, n - 1))
+    return new if new < n else None
+
+
+def _seqs_ceiling(cur: Settings, bounds: Bounds) -> int:
+    ceiling = bounds.max_num_seqs.max
+    if cur.max_num_batched_tokens is not None:
+        ceiling = min(ceiling, cur.max_num_batched_tokens)
+    return ceiling
+
+
+def _raise_seqs(s: Snapshot, cur: Settings, bounds: Bounds, t: Thresholds) -> int | None:
+    n = cur.max_num_seqs
+    new = max(n + 1, math.ceil(n * t.seq_increase))
+    # Keep the projected peak KV usage (usage scales with admitted sequences) under target.
+    projected = math.floor(n * t.kv_raise_target / max(s.kv_usage_max, 1e-3))
+    new = min(new, max(n + 1, projected))
+    new = min(new, _seqs_ceiling(cur, bounds))
+    return new if new > n else None
+
+
+def _len_target(s: Snapshot, cur: Settings, bounds: Bounds, t: Thresholds) -> int | None:
+    """The lower max_model_len KVCacheBound would move to, or None when lengths are not
+    far below it (or unknown, or requests are being refused for length)."""
+    if s.request_len_p99 is None or (s.length_refusals_per_s or 0.0) > t.refusal_enter_per_s:
+        return None
+    target = _round_up(s.request_len_p99 * t.len_headroom, cur.block_size)
+    if target > cur.max_model_len * t.len_far_ratio:
+        return None
+    step_floor = _round_up(cur.max_model_len / t.len_max_divisor, cur.block_size)
+    new = bounds.max_model_len.clamp(max(target, step_floor))
+    return new if new < cur.max_model_len else None
+
+
+def _blocked(history: History, setting: str, direction: int, now: float, t: Thresholds) -> str | None:
+    """Why moving `setting` in `direction` is not allowed now: it would retry a move that
+    was just reverted, or lower max_model_len right after it was raised for refusals."""
+    for entry in reversed(history.applied_since(now - t.flip_backoff_s)):
+        d = entry.decision
+        if setting not in d.change:
+            continue
+        old, new = d.change[setting]
+        moved = (new > old) - (new < old)
+        if d.action is Action.REVERT and moved == -direction:
+            return f"{setting} was reverted {_ago(now, d.time)}; not retrying that move yet"
+        if setting == "max_model_len" and direction < 0 and moved > 0:
+            return f"max_model_len was raised {_ago(now, d.time)}; not lowering it again yet"
+    return None
+
+
+# --- helpers ----------------------------------------------------------------------------
+
+def _clamp_to_bounds(cur: Settings, bounds: Bounds) -> dict:
+    out = {}
+    for k in ("max_num_seqs", "max_model_len", "replicas"):
+        if k == "replicas" and cur.hpa_owns_scale:
+            continue
+        v = getattr(cur, k)
+        c = bounds.of(k).clamp(v)
+        if c != v:
+            out[k] = (v, c)
+    return out
+
+
+def _signal(s: Snapshot, name: str) -> float:
+    v = getattr(s, name)
+    return 0.0 if v is None else float(v)  # an empty quantile means nothing waited
+
+
+def _round_up(x: float, block: int) -> int:
+    return max(block, math.ceil(x / block) * block)
+
+
+def _fmt(name: str, v: float) -> str:
+    if name.endswith("_s") and not name.endswith("per_s"):
+        return f"{v:.2f}s"
+    if name.endswith("per_s"):
+        return f"{v:.2f}/s"
+    return f"{v:.1f}"
+
+
+def _fmt_change(change: dict) -> str:
+    return ", ".join(f"{k} {a} -> {b}" for k, (a, b) in change.items())
+
+
+def _ago(now: float, then: float) -> str:
+    return f"{now - then:.0f}s ago"

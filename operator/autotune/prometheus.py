@@ -1,0 +1,201 @@
+"""Reads one LLMDeployment's signals from Prometheus into a Snapshot.
+
+Every query selects the deployment's pods by namespace and one pod label (by default
+`llmdeployment="<name>"`; both label names are configurable to match the scrape
+config's relabelling) and aggregates over the pods:
+
+- KV usage: avg and max of `avg_over_time` / `max_over_time` of vllm:kv_cache_usage_perc;
+- preemptions/s: sum of rate(vllm:num_preemptions_total);
+- queue time and TTFT p95: histogram_quantile over the summed bucket rates;
+- waiting / running: the sum over pods of each pod's mean over the window;
+- request rate: sum of rate(vllm:e2e_request_latency_seconds_count) (finished requests);
+- request length p99 (prompt + generation): the sum of the 99.5th percentiles of the
+  prompt and the generation token histograms. The histograms are separate, so the p99
+  of the sum cannot be read; but P(prompt + gen > a + b) <= P(prompt > a) + P(gen > b)
+  = 0.005 + 0.005, so the sum of the two p99.5s is at least the p99 of the total: a
+  conservative (never too short) length. Quantiles within a bucket are interpolated,
+  which the 1-2-5 token buckets make coarse; the headroom factor covers that;
+- prefix-cache hit rate: rate of hits / rate of queries (None with no queries);
+- length refusals/s: a configurable expression; vLLM exports no such counter, so when
+  its series is absent the signal is None (the raise-on-refusal rule stays off);
+- settings in effect: kvpilot:max_num_seqs and kvpilot:max_model_len, per pod.
+
+Staleness: for each raw metric, the oldest pod's newest sample (`min(timestamp(...))`)
+is compared with the query's evaluation time; older than `stale_after_scrapes` scrape
+intervals means stale. A metric with no series at all is missing. rate() needs two
+samples inside the window, so the window should span at least four scrape intervals.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .signals import PodSettings, Snapshot
+
+
+class QueryClient(Protocol):
+    """The one method used of prometheus_api_client.PrometheusConnect."""
+
+    def custom_query(self, query: str, params: dict | None = None) -> list[dict[str, Any]]: ...
+
+
+# Snapshot field -> the raw metric it is computed from (checked for absence and staleness).
+SOURCES = {
+    "kv_usage_mean": "vllm:kv_cache_usage_perc",
+    "kv_usage_max": "vllm:kv_cache_usage_perc",
+    "preemptions_per_s": "vllm:num_preemptions_total",
+    "queue_time_p95_s": "vllm:request_queue_time_seconds_bucket",
+    "ttft_p95_s": "vllm:time_to_first_token_seconds_bucket",
+    "num_waiting": "vllm:num_requests_waiting",
+    "num_running": "vllm:num_requests_running",
+    "request_rate_per_s": "vllm:e2e_request_latency_seconds_count",
+    "request_len_p99": "vllm:request_prompt_tokens_bucket",
+    "prefix_hit_rate": "vllm:prefix_cache_queries_total",
+}
+# Second sources of two-metric signals (also checked).
+EXTRA_SOURCES = {"request_len_p99": "vllm:request_generation_tokens_bucket",
+                 "prefix_hit_rate": "vllm:prefix_cache_hits_total"}
+SETTINGS_METRICS = {"max_num_seqs": "kvpilot:max_num_seqs", "max_model_len": "kvpilot:max_model_len"}
+DEFAULT_REFUSAL_METRIC = "kvpilot:request_length_refusals_total"
+
+
+def duration(seconds: float) -> str:
+    """A PromQL range duration ("300s")."""
+    return f"{max(1, int(round(seconds)))}s"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"')
+
+
+@dataclass(frozen=True)
+class Target:
+    """Which series belong to the deployment."""
+
+    namespace: str
+    name: str
+    label: str = "llmdeployment"  # the pod label (as relabelled onto the series) naming it
+    namespace_label: str = "namespace"
+    pod_label: str = "pod"
+
+    @property
+    def selector(self) -> str:
+        return f'{self.namespace_label}="{_escape(self.namespace)}",{self.label}="{_escape(self.name)}"'
+
+
+def build_queries(target: Target, window_s: float, refusal_metric: str = DEFAULT_REFUSAL_METRIC) -> dict[str, str]:
+    """Snapshot field -> PromQL (instant queries evaluated at the window's end)."""
+    sel, w = target.selector, duration(window_s)
+
+    def rate(metric: str) -> str:
+        return f"sum(rate({metric}{{{sel}}}[{w}]))"
+
+    def quantile(q: float, hist: str) -> str:
+        return f"histogram_quantile({q}, sum by (le) (rate({hist}_bucket{{{sel}}}[{w}])))"
+
+    return {
+        "kv_usage_mean": f"avg(avg_over_time(vllm:kv_cache_usage_perc{{{sel}}}[{w}]))",
+        "kv_usage_max": f"max(max_over_time(vllm:kv_cache_usage_perc{{{sel}}}[{w}]))",
+        "preemptions_per_s": rate("vllm:num_preemptions_total"),
+        "queue_time_p95_s": quantile(0.95, "vllm:request_queue_time_seconds"),
+        "ttft_p95_s": quantile(0.95, "vllm:time_to_first_token_seconds"),
+        "num_waiting": f"sum(avg_over_time(vllm:num_requests_waiting{{{sel}}}[{w}]))",
+        "num_running": f"sum(avg_over_time(vllm:num_requests_running{{{sel}}}[{w}]))",
+        "request_rate_per_s": rate("vllm:e2e_request_latency_seconds_count"),
+        "request_len_p99": (f"{quantile(0.995, 'vllm:request_prompt_tokens')}"
+                            f" + {quantile(0.995, 'vllm:request_generation_tokens')}"),
+        "prefix_hit_rate": f"{rate('vllm:prefix_cache_hits_total')} / {rate('vllm:prefix_cache_queries_total')}",
+        "length_refusals_per_s": rate(refusal_metric),
+    }
+
+
+def build_freshness_queries(target: Target, refusal_metric: str = DEFAULT_REFUSAL_METRIC) -> dict[str, str]:
+    """Raw metric -> PromQL giving its newest sample's timestamp over the deployment."""
+    metrics = sorted(set(SOURCES.values()) | set(EXTRA_SOURCES.values()) | set(SETTINGS_METRICS.values()) | {refusal_metric})
+    return {m: f"min(timestamp({m}{{{target.selector}}}))" for m in metrics}
+
+
+def build_settings_queries(target: Target) -> dict[str, str]:
+    return {k: f"{m}{{{target.selector}}}" for k, m in SETTINGS_METRICS.items()}
+
+
+def _value(result: list[dict]) -> tuple[float, float] | None:
+    """(evaluation time, value) of a single-sample result, or None when empty."""
+    if not result:
+        return None
+    ts, text = result[0]["value"]
+    return float(ts), float(text)
+
+
+class PrometheusReader:
+    """Snapshot = reader.snapshot(namespace, name, window_s)."""
+
+    def __init__(self, client: QueryClient, *, scrape_interval_s: float = 15.0, stale_after_scrapes: float = 3.0,
+                 label: str = "llmdeployment", namespace_label: str = "namespace", pod_label: str = "pod",
+                 refusal_metric: str = DEFAULT_REFUSAL_METRIC) -> None:
+        self.client = client
+        self.stale_after_s = scrape_interval_s * stale_after_scrapes
+        self.label, self.namespace_label, self.pod_label = label, namespace_label, pod_label
+        self.refusal_metric = refusal_metric
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> PrometheusReader:
+        from prometheus_api_client import PrometheusConnect  # imported where used
+
+        return cls(PrometheusConnect(url=url, disable_ssl=True), **kwargs)
+
+    def target(self, namespace: str, name: str) -> Target:
+        return Target(namespace, name, self.label, self.namespace_label, self.pod_label)
+
+    def snapshot(self, namespace: str, name: str, window_s: float, at: float | None = None) -> Snapshot:
+        """The deployment's signals over the `window_s` seconds ending at `at` (unix
+        seconds; Prometheus's own now when None). Query errors propagate to the caller."""
+        target = self.target(namespace, name)
+        params = {"time": f"{at:.3f}"} if at is not None else None
+
+        def query(q: str) -> list[dict]:
+            return self.client.custom_query(q, params=params) if params else self.client.custom_query(q)
+
+        values: dict[str, float | None] = {}
+        eval_times: list[float] = []
+        for field, q in build_queries(target, window_s, self.refusal_metric).items():
+            got = _value(query(q))
+            if got is None:  # no series: missing (if its metric is absent) or empty rate
+                values[field] = None
+                continue
+            eval_times.append(got[0])
+            values[field] = None if math.isnan(got[1]) or math.isinf(got[1]) else got[1]
+
+        newest: dict[str, float | None] = {}
+        for metric, q in build_freshness_queries(target, self.refusal_metric).items():
+            got = _value(query(q))
+            newest[metric] = None if got is None else got[1]
+            if got is not None:
+                eval_times.append(got[0])
+        now = at if at is not None else (max(eval_times) if eval_times else 0.0)
+
+        sources = list(SOURCES.items()) + list(EXTRA_SOURCES.items())
+        sources.append(("length_refusals_per_s", self.refusal_metric))
+        missing, stale = [], []
+        for field, metric in sources:
+            if newest.get(metric) is None:
+                missing.append(field)
+            elif now - newest[metric] > self.stale_after_s:
+                stale.append(field)
+        for field in missing + stale:
+            values[field] = None
+
+        pods: dict[str, dict] = {}
+        for setting, q in build_settings_queries(target).items():
+            for series in query(q):
+                pod = series.get("metric", {}).get(self.pod_label, "?")
+                pods.setdefault(pod, {})[setting] = int(float(series["value"][1]))
+
+        return Snapshot(
+            time=now, window_s=window_s,
+            pods=tuple(PodSettings(pod, **s) for pod, s in sorted(pods.items())),
+            missing=tuple(sorted(set(missing))), stale=tuple(sorted(set(stale))),
+            **values,
+        )

@@ -1,0 +1,165 @@
+"""What the operator writes under `status.autotune`, as pydantic models with the API's
+camelCase keys, and one row of the live demo table.
+
+    report = build_report(decision, history, snapshot, capacity)
+    patch["status"]["autotune"] = report.dump()
+
+`history_from_status` reads the block back, so the autotuner's memory survives an
+operator restart (the status is the only place it lives)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from .capacity import CapacityPlan
+from .decision import Action, Decision, Diagnosis
+from .history import History, HistoryEntry
+from .signals import Snapshot
+
+_CAMEL = {"max_num_seqs": "maxNumSeqs", "max_model_len": "maxModelLen", "replicas": "replicas"}
+_SNAKE = {v: k for k, v in _CAMEL.items()}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    def dump(self) -> dict:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+class DecisionStatus(_Model):
+    time: str  # RFC 3339, UTC
+    diagnosis: str
+    action: str  # change | revert | hold
+    change: dict[str, list[int]] = Field(default_factory=dict)  # {"maxNumSeqs": [64, 24]}
+    reason: str
+    applied: Optional[bool] = None
+    target: Optional[str] = None
+    baseline: Optional[float] = None
+    verified: Optional[bool] = None
+
+
+class SnapshotStatus(_Model):
+    time: str
+    window_seconds: float
+    kv_usage_mean: Optional[float] = None
+    kv_usage_max: Optional[float] = None
+    preemptions_per_second: Optional[float] = None
+    queue_time_p95_seconds: Optional[float] = None
+    ttft_p95_seconds: Optional[float] = None
+    num_waiting: Optional[float] = None
+    num_running: Optional[float] = None
+    request_rate_per_second: Optional[float] = None
+    request_len_p99: Optional[float] = None
+    prefix_hit_rate: Optional[float] = None
+    length_refusals_per_second: Optional[float] = None
+    missing: list[str] = Field(default_factory=list)
+    stale: list[str] = Field(default_factory=list)
+
+
+class AutotuneStatus(_Model):
+    diagnosis: str
+    last_decision: DecisionStatus
+    history: list[DecisionStatus] = Field(default_factory=list)  # changes and reverts, newest last
+    recent_diagnoses: list[str] = Field(default_factory=list)  # one per interval, newest last
+    capacity: Optional[dict] = None
+    snapshot: Optional[SnapshotStatus] = None
+
+
+def rfc3339(t: float) -> str:
+    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _parse_time(text: str) -> float:
+    return _dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=_dt.timezone.utc).timestamp()
+
+
+def decision_status(d: Decision, applied: bool | None = None, verified: bool | None = None) -> DecisionStatus:
+    return DecisionStatus(
+        time=rfc3339(d.time), diagnosis=d.diagnosis.value, action=d.action.value,
+        change={_CAMEL[k]: [int(a), int(b)] for k, (a, b) in d.change.items()},
+        reason=d.reason, applied=applied, target=d.target,
+        baseline=None if d.baseline is None else round(d.baseline, 4), verified=verified,
+    )
+
+
+def snapshot_status(s: Snapshot) -> SnapshotStatus:
+    def r(v):
+        return None if v is None else round(float(v), 4)
+
+    return SnapshotStatus(
+        time=rfc3339(s.time), window_seconds=s.window_s,
+        kv_usage_mean=r(s.kv_usage_mean), kv_usage_max=r(s.kv_usage_max),
+        preemptions_per_second=r(s.preemptions_per_s), queue_time_p95_seconds=r(s.queue_time_p95_s),
+        ttft_p95_seconds=r(s.ttft_p95_s), num_waiting=r(s.num_waiting), num_running=r(s.num_running),
+        request_rate_per_second=r(s.request_rate_per_s), request_len_p99=r(s.request_len_p99),
+        prefix_hit_rate=r(s.prefix_hit_rate), length_refusals_per_second=r(s.length_refusals_per_s),
+        missing=list(s.missing), stale=list(s.stale),
+    )
+
+
+def build_report(decision: Decision, history: History, snapshot: Snapshot | None = None,
+                 capacity: CapacityPlan | None = None) -> AutotuneStatus:
+    """status.autotune after this interval; `history` should already include `decision`
+    (History.record), so the last decision's entry carries its applied flag."""
+    entry = next((e for e in reversed(history.entries) if e.decision is decision), None)
+    last = decision_status(decision, applied=entry.applied if entry else None,
+                           verified=entry.verified if entry else None)
+    return AutotuneStatus(
+        diagnosis=decision.diagnosis.value,
+        last_decision=last,
+        history=[decision_status(e.decision, e.applied, e.verified) for e in history.entries],
+        recent_diagnoses=[d.value for _, d in history.diagnoses],
+        capacity=capacity.to_status() if capacity else None,
+        snapshot=snapshot_status(snapshot) if snapshot else None,
+    )
+
+
+def history_from_status(status: dict | None, limit: int = 20) -> History:
+    """Rebuild History from a stored status.autotune block (empty when there is none).
+    The diagnoses trail keeps no times, so it is spaced one second apart before the
+    newest change; only its order matters to the policy."""
+    if not status:
+        return History(limit=limit)
+    report = AutotuneStatus.model_validate(status)
+    entries = []
+    for item in report.history:
+        d = Decision(
+            time=_parse_time(item.time), diagnosis=Diagnosis(item.diagnosis), action=Action(item.action),
+            reason=item.reason, change={_SNAKE[k]: (v[0], v[1]) for k, v in item.change.items()},
+            target=item.target, baseline=item.baseline,
+        )
+        entries.append(HistoryEntry(d, applied=bool(item.applied),
+                                    checked=item.verified is not None, verified=item.verified))
+    end = _parse_time(report.last_decision.time)
+    n = len(report.recent_diagnoses)
+    diagnoses = tuple((end - (n - 1 - i), Diagnosis(d)) for i, d in enumerate(report.recent_diagnoses))
+    return History(entries=tuple(entries)[-limit:], diagnoses=diagnoses[-limit:], limit=limit)
+
+
+TABLE_HEADER = (f"{'time':<8} {'KV%':>5} {'preempt/s':>9} {'queue p95':>9} {'seqs':>5} "
+                f"{'len':>6} {'repl':>4}  {'diagnosis':<15} decision")
+
+
+def format_table_row(time: float, snapshot: Snapshot | None, max_num_seqs: int, max_model_len: int,
+                     replicas: int, decision: Decision | None) -> str:
+    """One line of the live demo table (see TABLE_HEADER); unknown numbers print as '-'."""
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    s = snapshot
+    clock = _dt.datetime.fromtimestamp(time, _dt.timezone.utc).strftime("%H:%M:%S")
+    kv = None if s is None or s.kv_usage_mean is None else 100 * s.kv_usage_mean
+    if decision is None:
+        diag, what = "-", "-"
+    else:
+        diag = decision.diagnosis.value
+        what = (decision.action.value + " " + ", ".join(f"{k} {a}->{b}" for k, (a, b) in decision.change.items())
+                if decision.change else "hold")
+    return (f"{clock:<8} {num(kv, '5.1f'):>5} {num(s and s.preemptions_per_s, '9.2f'):>9} "
+            f"{num(s and s.queue_time_p95_s, '8.2f') + ('s' if s and s.queue_time_p95_s is not None else ''):>9} "
+            f"{max_num_seqs:>5} {max_model_len:>6} {replicas:>4}  {diag:<15} {what}")

@@ -1,0 +1,83 @@
+"""What the autotuner sees of one LLMDeployment over one window: a frozen `Snapshot`
+of the engine's own signals, aggregated over its pods, plus which signals were missing
+or stale. The Prometheus reader builds it; the policy only reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Signals without which no decision is taken (the policy answers NoData instead).
+REQUIRED_SIGNALS = (
+    "kv_usage_mean",
+    "kv_usage_max",
+    "preemptions_per_s",
+    "queue_time_p95_s",
+    "num_waiting",
+    "num_running",
+    "request_rate_per_s",
+)
+# Signals some rules use when present; their absence disables only those rules.
+OPTIONAL_SIGNALS = ("ttft_p95_s", "request_len_p99", "prefix_hit_rate", "length_refusals_per_s")
+
+
+@dataclass(frozen=True)
+class PodSettings:
+    """The settings one pod reports in effect (`kvpilot:max_num_seqs`, `kvpilot:max_model_len`);
+    None where the pod does not export the gauge (a stock vLLM pod)."""
+
+    pod: str
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Deployment-wide signals over `window_s` seconds ending at `time` (unix seconds).
+
+    Gauges are means over the window summed over pods (waiting, running), or mean/max
+    over pods and the window (KV usage, 0..1). Rates are per second over the window.
+    A quantile is None when its histogram exists but observed nothing in the window
+    (no requests finished): that is "nothing happened", not missing data. A signal whose
+    series does not exist at all is named in `missing`; one whose newest sample is too
+    old is named in `stale`.
+    """
+
+    time: float
+    window_s: float
+    kv_usage_mean: float | None = None
+    kv_usage_max: float | None = None
+    preemptions_per_s: float | None = None
+    queue_time_p95_s: float | None = None
+    ttft_p95_s: float | None = None
+    num_waiting: float | None = None
+    num_running: float | None = None
+    request_rate_per_s: float | None = None
+    request_len_p99: float | None = None  # prompt + generation tokens
+    prefix_hit_rate: float | None = None  # 0..1
+    length_refusals_per_s: float | None = None
+    pods: tuple[PodSettings, ...] = ()
+    missing: tuple[str, ...] = ()
+    stale: tuple[str, ...] = ()
+
+    def no_data_reason(self) -> str | None:
+        """Why this snapshot cannot support a decision, or None when it can."""
+        missing = [s for s in REQUIRED_SIGNALS if s in self.missing]
+        stale = [s for s in REQUIRED_SIGNALS if s in self.stale]
+        parts = []
+        if missing:
+            parts.append("no series for " + ", ".join(missing))
+        if stale:
+            parts.append("stale samples for " + ", ".join(stale))
+        # A present signal must have a value, except the latency quantile, which is
+        # legitimately empty when no request finished in the window.
+        empty = [s for s in REQUIRED_SIGNALS
+                 if s not in self.missing and s != "queue_time_p95_s" and getattr(self, s) is None]
+        if empty:
+            parts.append("no value for " + ", ".join(empty))
+        if not parts:
+            return None
+        return "; ".join(parts)
+
+    def reported(self, setting: str) -> set[int]:
+        """The distinct values of `setting` the pods report (those that export it)."""
+        return {v for p in self.pods if (v := getattr(p, setting)) is not None}

@@ -1,0 +1,177 @@
+"""The Prometheus reader against a fake client returning canned PromQL results."""
+
+import math
+
+import pytest
+
+from kvpilot.operator.autotune import PodSettings, PrometheusReader, Snapshot, Target, build_queries
+from kvpilot.operator.autotune.prometheus import build_freshness_queries, duration
+
+NOW = 1_700_000_000.0
+SEL = 'namespace="demo",llmdeployment="tiny"'
+
+
+def scalar(v, t=NOW):
+    return [{"metric": {}, "value": [t, str(v)]}]
+
+
+class FakePrometheus:
+    """Answers by matching a fragment of the query; records every query and its params."""
+
+    def __init__(self, answers: dict, default=None):
+        # fragment -> result list; freshness fragments first, then the most specific.
+        self.answers = dict(sorted(answers.items(), key=lambda kv: (not kv[0].startswith("min(timestamp("),
+                                                                     -len(kv[0]))))
+        self.default = default
+        self.queries: list[tuple[str, dict | None]] = []
+
+    def custom_query(self, query, params=None):
+        self.queries.append((query, params))
+        for fragment, result in self.answers.items():
+            if fragment in query:
+                return result
+        return [] if self.default is None else self.default(query)
+
+
+def healthy_answers(age=5.0):
+    fresh = scalar(NOW - age)
+    return {
+        "min(timestamp(": fresh,
+        "avg(avg_over_time(vllm:kv_cache_usage_perc": scalar(0.42),
+        "max(max_over_time(vllm:kv_cache_usage_perc": scalar(0.77),
+        "rate(vllm:num_preemptions_total": scalar(0.25),
+        "vllm:request_queue_time_seconds_bucket": scalar(1.5),
+        "vllm:time_to_first_token_seconds_bucket": scalar(0.3),
+        "vllm:num_requests_waiting": scalar(3.0),
+        "vllm:num_requests_running": scalar(12.0),
+        "vllm:e2e_request_latency_seconds_count": scalar(4.0),
+        "vllm:request_prompt_tokens_bucket": scalar(700.0),
+        "vllm:prefix_cache_hits_total": scalar(0.6),
+        "kvpilot:request_length_refusals_total": [],  # vLLM has no such counter
+        "min(timestamp(kvpilot:request_length_refusals_total": [],
+        "kvpilot:max_num_seqs{": [
+            {"metric": {"pod": "tiny-a", "__name__": "kvpilot:max_num_seqs"}, "value": [NOW, "64"]},
+            {"metric": {"pod": "tiny-b", "__name__": "kvpilot:max_num_seqs"}, "value": [NOW, "48"]},
+        ],
+        "kvpilot:max_model_len{": [
+            {"metric": {"pod": "tiny-a"}, "value": [NOW, "2048"]},
+            {"metric": {"pod": "tiny-b"}, "value": [NOW, "2048"]},
+        ],
+    }
+
+
+def test_queries_use_the_exact_vllm_metric_names_and_the_selector():
+    q = build_queries(Target("demo", "tiny"), 300)
+    assert q["kv_usage_mean"] == f"avg(avg_over_time(vllm:kv_cache_usage_perc{{{SEL}}}[300s]))"
+    assert q["kv_usage_max"] == f"max(max_over_time(vllm:kv_cache_usage_perc{{{SEL}}}[300s]))"
+    assert q["preemptions_per_s"] == f"sum(rate(vllm:num_preemptions_total{{{SEL}}}[300s]))"
+    assert q["queue_time_p95_s"] == (
+        f"histogram_quantile(0.95, sum by (le) (rate(vllm:request_queue_time_seconds_bucket{{{SEL}}}[300s])))")
+    assert q["ttft_p95_s"] == (
+        f"histogram_quantile(0.95, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{{{SEL}}}[300s])))")
+    assert q["num_waiting"] == f"sum(avg_over_time(vllm:num_requests_waiting{{{SEL}}}[300s]))"
+    assert q["num_running"] == f"sum(avg_over_time(vllm:num_requests_running{{{SEL}}}[300s]))"
+    assert q["request_rate_per_s"] == f"sum(rate(vllm:e2e_request_latency_seconds_count{{{SEL}}}[300s]))"
+    assert "vllm:request_prompt_tokens_bucket{" in q["request_len_p99"]
+    assert "vllm:request_generation_tokens_bucket{" in q["request_len_p99"]
+    assert q["request_len_p99"].count("histogram_quantile(0.995,") == 2
+    assert q["prefix_hit_rate"] == (f"sum(rate(vllm:prefix_cache_hits_total{{{SEL}}}[300s])) / "
+                                    f"sum(rate(vllm:prefix_cache_queries_total{{{SEL}}}[300s]))")
+    fresh = build_freshness_queries(Target("demo", "tiny"))
+    for metric in ("vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "kvpilot:max_num_seqs",
+                   "kvpilot:max_model_len", "vllm:request_generation_tokens_bucket"):
+        assert fresh[metric] == f"min(timestamp({metric}{{{SEL}}}))"
+
+
+def test_label_names_are_configurable_and_values_escaped():
+    t = Target("demo", 'we"ird', label="app_kubernetes_io_instance", namespace_label="kubernetes_namespace")
+    assert t.selector == 'kubernetes_namespace="demo",app_kubernetes_io_instance="we\\"ird"'
+    assert duration(29.6) == "30s" and duration(0.1) == "1s"
+
+
+def test_snapshot_from_canned_results():
+    fake = FakePrometheus(healthy_answers())
+    s = PrometheusReader(fake).snapshot("demo", "tiny", 300)
+    assert isinstance(s, Snapshot)
+    assert s.time == NOW and s.window_s == 300
+    assert (s.kv_usage_mean, s.kv_usage_max) == (0.42, 0.77)
+    assert s.preemptions_per_s == 0.25 and s.queue_time_p95_s == 1.5 and s.ttft_p95_s == 0.3
+    assert (s.num_waiting, s.num_running, s.request_rate_per_s) == (3.0, 12.0, 4.0)
+    assert s.request_len_p99 == 700.0 and s.prefix_hit_rate == 0.6
+    assert s.length_refusals_per_s is None and s.missing == ("length_refusals_per_s",)
+    assert s.stale == ()
+    assert s.pods == (PodSettings("tiny-a", 64, 2048), PodSettings("tiny-b", 48, 2048))
+    assert s.no_data_reason() is None
+    every = " ".join(q for q, _ in fake.queries)
+    for name in ("vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "vllm:request_queue_time_seconds_bucket",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:num_requests_waiting", "vllm:num_requests_running",
+                 "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+                 "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+                 "vllm:e2e_request_latency_seconds_count", "kvpilot:max_num_seqs", "kvpilot:max_model_len"):
+        assert name in every
+    assert all(SEL in q for q, _ in fake.queries)
+
+
+def test_evaluation_time_is_passed_when_given():
+    fake = FakePrometheus(healthy_answers())
+    s = PrometheusReader(fake).snapshot("demo", "tiny", 60, at=NOW)
+    assert s.time == NOW
+    assert all(p == {"time": f"{NOW:.3f}"} for _, p in fake.queries)
+
+
+def test_nan_quantiles_are_empty_not_missing():
+    answers = healthy_answers()
+    answers["vllm:request_queue_time_seconds_bucket"] = scalar("NaN")
+    answers["vllm:prefix_cache_hits_total"] = scalar("NaN")
+    s = PrometheusReader(FakePrometheus(answers)).snapshot("demo", "tiny", 60)
+    assert s.queue_time_p95_s is None and s.prefix_hit_rate is None
+    assert "queue_time_p95_s" not in s.missing and s.no_data_reason() is None
+
+
+def test_absent_metrics_are_missing_and_mean_no_data():
+    answers = healthy_answers()
+    answers["min(timestamp(vllm:kv_cache_usage_perc"] = []
+    answers["avg(avg_over_time(vllm:kv_cache_usage_perc"] = []
+    answers["max(max_over_time(vllm:kv_cache_usage_perc"] = []
+    s = PrometheusReader(FakePrometheus(answers)).snapshot("demo", "tiny", 60)
+    assert {"kv_usage_mean", "kv_usage_max"} <= set(s.missing)
+    assert "no series for kv_usage_mean" in s.no_data_reason()
+
+
+def test_nothing_at_all_is_no_data():
+    s = PrometheusReader(FakePrometheus({})).snapshot("demo", "tiny", 60)
+    assert s.pods == () and s.no_data_reason().startswith("no series for")
+
+
+def test_old_samples_are_stale():
+    fake = FakePrometheus(healthy_answers(age=61.0))
+    s = PrometheusReader(fake, scrape_interval_s=10, stale_after_scrapes=6).snapshot("demo", "tiny", 60)
+    assert "kv_usage_mean" in s.stale and s.kv_usage_mean is None
+    assert "stale samples" in s.no_data_reason()
+    ok = PrometheusReader(FakePrometheus(healthy_answers(age=59.0)), scrape_interval_s=10,
+                          stale_after_scrapes=6).snapshot("demo", "tiny", 60)
+    assert ok.stale == ()
+
+
+def test_a_counter_without_a_rate_yet_is_no_value():
+    answers = healthy_answers()
+    answers["rate(vllm:num_preemptions_total"] = []  # one sample in the window: rate() is empty
+    s = PrometheusReader(FakePrometheus(answers)).snapshot("demo", "tiny", 60)
+    assert s.preemptions_per_s is None and "preemptions_per_s" not in s.missing
+    assert "no value for preemptions_per_s" in s.no_data_reason()
+
+
+def test_refusal_metric_is_configurable():
+    answers = healthy_answers()
+    answers["my_refusals_total"] = scalar(0.5)
+    fake = FakePrometheus(answers)
+    s = PrometheusReader(fake, refusal_metric="my_refusals_total").snapshot("demo", "tiny", 60)
+    assert s.length_refusals_per_s == 0.5 and "length_refusals_per_s" not in s.missing
+
+
+def test_from_url_builds_a_prometheus_connect():
+    from prometheus_api_client import PrometheusConnect
+
+    reader = PrometheusReader.from_url("http://127.0.0.1:9", scrape_interval_s=5)
+    assert isinstance(reader.client, PrometheusConnect)
+    assert math.isclose(reader.stale_after_s, 15.0)
