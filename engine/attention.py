@@ -51,7 +51,10 @@ class PagedAttention:
             return paged_attention_torch(query, k_cache, v_cache, meta, scale)
         self._write(key, value, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode_only:
-            return self._decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+            return self._decode(
+                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                max_seq_len=meta.max_seq_len,
+            )
         return self._prefill(
             query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
             meta.query_start_loc, meta.max_query_len, scale,
