@@ -1,9 +1,24 @@
-"""kvpilot's serving engine: paged KV cache, continuous batching, prefix caching."""
+"""kvpilot's serving engine: paged KV cache, continuous batching, prefix caching.
 
-from .config import EngineConfig
-from .llm import LLM
-from .llm_engine import LLMEngine
-from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+Names are resolved lazily, so `kvpilot crd` or `kvpilot operator` never pay for
+importing torch.
+"""
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+from importlib import import_module
+
+_EXPORTS = {
+    "LLM": ".llm",
+    "LLMEngine": ".llm_engine",
+    "EngineConfig": ".config",
+    "SamplingParams": ".sampling_params",
+    "RequestOutput": ".outputs",
+    "CompletionOutput": ".outputs",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name], __name__), name)

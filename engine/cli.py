@@ -109,30 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    from .bench_throughput import add_parser as add_bench_throughput
+    # Each module registers its own parser and imports its heavy dependencies only
+    # when its command runs.
+    from kvpilot.operator import cli as operator_cli
 
-    add_bench_throughput(bench)
-    _add_optional_commands(sub, bench)
+    from . import bench_serve, bench_throughput
+    from .server import cli as server_cli
+
+    bench_throughput.add_parser(bench)
+    bench_serve.add_parser(bench)
+    server_cli.add_parser(sub)
+    operator_cli.add_parser(sub)
     return parser
-
-
-def _add_optional_commands(sub, bench) -> None:
-    """Server, serving benchmark and operator live in modules that may not exist yet in
-    a partial install; each registers its own parser."""
-    import importlib
-
-    for module, target in (
-        ("kvpilot.engine.server.cli", sub),
-        ("kvpilot.engine.bench_serve", bench),
-        ("kvpilot.operator.cli", sub),
-    ):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name and module.startswith(exc.name):
-                continue
-            raise
-        mod.add_parser(target)
 
 
 def main(argv: list[str] | None = None) -> int:

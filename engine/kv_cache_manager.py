@@ -59,9 +59,13 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
-        self.prefix_stats.queries += request.num_tokens
-        self.prefix_stats.hits += len(hit) * self.block_size
         return hit, len(hit) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (failed admission attempts don't count)."""
+        if self.enable_prefix_caching:
+            self.prefix_stats.queries += num_tokens
+            self.prefix_stats.hits += num_hit_tokens
 
     def allocate_slots(
         self,

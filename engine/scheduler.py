@@ -99,6 +99,7 @@ class Scheduler:
             if self.kv_cache.allocate_slots(request, num_new, hit_blocks) is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
+            self.kv_cache.record_prefix_lookup(request.num_tokens, num_hit)
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit

@@ -1,0 +1,159 @@
+"""The FastAPI application: routes, auth and request-id middleware, lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+from importlib import metadata
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from .async_engine import AsyncEngine
+from .errors import APIError, error_body, install_error_handlers, parse_body
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .serving_chat import create_chat_completion, render_chat_prompt
+from .serving_common import ServerSettings, ServerState, check_model, now_s
+from .serving_completions import create_completion
+from .tuning import TuningWatcher
+
+log = logging.getLogger("kvpilot.server")
+
+
+def kvpilot_version() -> str:
+    try:
+        return metadata.version("kvpilot")
+    except metadata.PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+class EdgeMiddleware:
+    """Pure ASGI (streams and disconnect detection pass through untouched): checks the API
+    key on /v1/* before anything else, and echoes a client's X-Request-Id header."""
+
+    def __init__(self, app, api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or ())
+        request_id = headers.get(b"x-request-id")
+        if self.api_key is not None and scope["path"].startswith("/v1"):
+            auth = headers.get(b"authorization", b"")
+            token = auth[7:] if auth[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.api_key):
+                body = json.dumps(error_body(401, "missing or invalid API key (send "
+                                             "Authorization: Bearer <key>)")).encode()
+                extra = [(b"x-request-id", request_id)] if request_id else []
+                await send({"type": "http.response.start", "status": 401, "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"), *extra]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        if request_id is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message = dict(message)
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings, tuning_file: str | None = None) -> FastAPI:
+    state = ServerState(settings=settings, engine=engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        watcher_task = None
+        if tuning_file:
+            eng = engine.engine
+            watcher = TuningWatcher(
+                tuning_file, apply=engine.update_limits,
+                current=lambda: {"max_num_seqs": eng.max_num_seqs, "max_model_len": eng.max_model_len},
+            )
+            await watcher.check()  # values the operator already wrote apply before serving
+            watcher_task = asyncio.create_task(watcher.run())
+        try:
+            yield
+        finally:
+            if watcher_task is not None:
+                watcher_task.cancel()
+            await engine.stop()
+
+    app = FastAPI(title="kvpilot", version=kvpilot_version(), lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.kvpilot = state
+    install_error_handlers(app)
+    app.add_middleware(EdgeMiddleware, api_key=settings.api_key)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await parse_body(request, CompletionRequest)
+        return await create_completion(body, request, state)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await parse_body(request, ChatCompletionRequest)
+        return await create_chat_completion(body, request, state)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": settings.served_model_name, "object": "model", "created": now_s(),
+            "owned_by": "kvpilot", "root": settings.model_path, "parent": None,
+            "max_model_len": engine.engine.max_model_len,
+            "vocab_size": engine.engine.tokenizer.vocab_size,  # kvpilot extension (bench serve)
+        }]}
+
+    @app.get("/health")
+    async def health():
+        if state.draining:
+            raise APIError(503, "draining: the server is shutting down")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": kvpilot_version()}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await parse_body(request, TokenizeRequest)
+        check_model(body.model, settings)
+        tok = engine.engine.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            ids = render_chat_prompt(tok, body.messages, body.add_generation_prompt)
+        else:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": engine.engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await parse_body(request, DetokenizeRequest)
+        check_model(body.model, settings)
+        tok = engine.engine.tokenizer
+        bad = [t for t in body.tokens if not 0 <= t < tok.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {tok.vocab_size}), got {bad[0]}",
+                           param="tokens")
+        return {"prompt": tok.decode(body.tokens)}
+
+    return app

@@ -1,0 +1,365 @@
+"""Drives the synchronous LLMEngine from one background thread for an asyncio server.
+
+The engine is not thread-safe, so only the engine thread touches it. The event loop hands
+it commands (add, abort, live limit changes) through a queue; the engine thread steps while
+work is pending and hands each step's outputs back with one `call_soon_threadsafe`, into a
+per-request asyncio queue. Many HTTP requests are thus batched continuously by the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Callable
+
+from ..outputs import CompletionOutput, RequestOutput, TokenLogprob
+from ..sampling_params import SamplingParams
+from .metrics import FinishedRequest, ServerMetrics
+
+if TYPE_CHECKING:
+    from ..llm_engine import LLMEngine
+
+log = logging.getLogger("kvpilot.server")
+
+_IDLE_WAIT_S = 0.5  # how long the idle engine thread blocks before re-checking for stop
+
+
+class EngineError(RuntimeError):
+    """The engine failed while stepping; the request cannot complete."""
+
+
+class StreamClosed(Exception):
+    """The stream was closed (client gone, or released) before the request finished."""
+
+
+@dataclass
+class Choice:
+    """One completion's state after a step, copied on the engine thread."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass
+class Snapshot:
+    request_id: str
+    choices: list[Choice]
+    finished: bool
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+def _copy(out: CompletionOutput) -> Choice:
+    return Choice(out.index, out.text, list(out.token_ids),
+                  list(out.logprobs) if out.logprobs is not None else None,
+                  out.finish_reason, out.stop_reason)
+
+
+@dataclass
+class _Track:
+    """Engine-thread bookkeeping per request, for latency metrics and final snapshots."""
+
+    arrival: float
+    num_prompt_tokens: int
+    n: int
+    counts: list[int] = field(default_factory=list)
+    first: list[float | None] = field(default_factory=list)
+    last: list[float | None] = field(default_factory=list)
+    first_token_seen: bool = False
+    latest: Snapshot | None = None
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * self.n
+        self.first = [None] * self.n
+        self.last = [None] * self.n
+
+
+class RequestStream:
+    """The loop-side end of one request: snapshots, newest wins when the reader lags."""
+
+    def __init__(self, request_id: str, owner: "AsyncEngine") -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._queue: asyncio.Queue[Snapshot | None] = asyncio.Queue()
+        self.finished = False
+        self.closed = False
+
+    def _put(self, snap: Snapshot | None) -> None:
+        self._queue.put_nowait(snap)
+
+    async def get(self) -> Snapshot:
+        snap = await self._queue.get()
+        while snap is not None and not snap.finished and not self._queue.empty():
+            snap = self._queue.get_nowait()  # cumulative state: the newest one suffices
+        if snap is None:
+            raise StreamClosed(self.request_id)
+        if snap.error is not None:
+            self.finished = True
+            raise EngineError(snap.error)
+        self.finished = snap.finished
+        return snap
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Snapshot:
+        if self.closed:
+            raise StreamClosed(self.request_id)
+        if self.finished:
+            raise StopAsyncIteration
+        return await self.get()
+
+    def close(self) -> None:
+        """Abort in the engine unless finished, and wake a reader with StreamClosed.
+        Idempotent; handlers call it from `finally`, the disconnect watcher on disconnect."""
+        if self.closed:
+            return
+        self.closed = True
+        self._owner._release(self)
+        self._queue.put_nowait(None)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._live: dict[str, _Track] = {}  # engine thread only
+        self._streams: dict[str, RequestStream] = {}  # event loop only
+        self._pending_adds = 0  # event loop only
+        self.num_waiting = 0  # published by the engine thread
+
+    # --- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.metrics.record_stats(self.engine.stats())
+        self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort whatever is left and stop the engine thread."""
+        self.abort_all()
+        self._commands.put(None)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+
+    @property
+    def num_active(self) -> int:
+        """Requests admitted by the server and not yet released by their handler."""
+        return len(self._streams)
+
+    @property
+    def queue_length(self) -> int:
+        """Waiting sequences in the engine plus adds not yet handed to it."""
+        return self.num_waiting + self._pending_adds
+
+    def unique_request_id(self, wanted: str | None) -> str:
+        if not wanted:
+            return uuid.uuid4().hex
+        rid = wanted
+        while rid in self._streams:
+            rid = f"{wanted}-{uuid.uuid4().hex[:8]}"
+        return rid
+
+    # --- loop side -------------------------------------------------------------------
+    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                  arrival_time: float | None = None) -> RequestStream:
+        """Queue a request; ValueError (from the engine's validation) if it is refused."""
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        stream = RequestStream(request_id, self)
+        self._streams[request_id] = stream
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._pending_adds += 1
+        self._commands.put(lambda: self._do_add(request_id, prompt_ids, params, arrival, fut))
+        try:
+            await asyncio.wrap_future(fut)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            if not fut.cancelled() and (not fut.done() or fut.exception() is None):
+                self.abort(request_id)  # cancelled after the engine took it: drop it again
+            raise
+        finally:
+            self._pending_adds -= 1
+        return stream
+
+    def abort_all(self) -> None:
+        """Abort every admitted request; their streams end with finish_reason "abort"."""
+        for rid in list(self._streams):
+            self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe and non-blocking; the engine drops the request before its next step."""
+        self._commands.put(lambda: self._do_abort(request_id))
+
+    def _release(self, stream: RequestStream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+        if not stream.finished:
+            stream.finished = True
+            self.abort(stream.request_id)
+
+    async def call(self, fn: Callable[[LLMEngine], object]) -> object:
+        """Run fn(engine) on the engine thread between steps; its result or exception."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn(self.engine))
+            except BaseException as exc:  # handed back to the caller
+                fut.set_exception(exc)
+
+        self._commands.put(run)
+        return await asyncio.wrap_future(fut)
+
+    async def update_limits(self, **limits: int | None) -> None:
+        await self.call(lambda engine: engine.update_limits(**limits))
+
+    def _deliver(self, batch: list[Snapshot]) -> None:
+        for snap in batch:
+            stream = self._streams.get(snap.request_id)
+            if stream is not None:
+                stream._put(snap)
+
+    # --- engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            busy = engine.has_unfinished_requests()
+            commands = []
+            try:
+                commands.append(self._commands.get_nowait() if busy
+                                else self._commands.get(timeout=_IDLE_WAIT_S))
+                while True:  # everything queued runs before the next step
+                    commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                pass
+            for cmd in commands:
+                self._execute(cmd)
+            if None in commands:
+                return  # stop(): its aborts were queued ahead of the sentinel
+            if engine.has_unfinished_requests():
+                try:
+                    outputs = engine.step()
+                except Exception as exc:  # a bug or a device failure: fail the batch, keep serving
+                    log.exception("engine step failed")
+                    self._fail_all(f"engine step failed: {type(exc).__name__}")
+                    outputs = []
+                if outputs:
+                    self._dispatch(outputs)
+            self._publish()
+
+    def _execute(self, cmd: Callable[[], None] | None) -> None:
+        if cmd is None:
+            return
+        try:
+            cmd()
+        except Exception:
+            log.exception("engine command failed")
+
+    def _publish(self) -> None:
+        stats = self.engine.stats()
+        self.num_waiting = stats.num_waiting
+        self.metrics.record_stats(stats)
+
+    def _post(self, batch: list[Snapshot]) -> None:
+        if batch and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._deliver, batch)
+
+    def _do_add(self, rid: str, prompt_ids: list[int], params: SamplingParams, arrival: float,
+                fut: concurrent.futures.Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return  # the caller went away before the engine got to it
+        try:
+            self.engine.add_request(rid, prompt_ids, params, arrival_time=arrival)
+        except Exception as exc:
+            fut.set_exception(exc)
+            return
+        self._live[rid] = _Track(arrival, len(prompt_ids), params.n)
+        fut.set_result(None)
+
+    def _do_abort(self, rid: str) -> None:
+        track = self._live.pop(rid, None)
+        if track is None:
+            return
+        self.engine.abort_request(rid)
+        now = time.monotonic()
+        latest = track.latest
+        if latest is not None:
+            choices = [replace(c) for c in latest.choices]  # the loop may still read the old ones
+        else:
+            choices = [Choice(i, "", [], None, None, None) for i in range(track.n)]
+        for c in choices:
+            c.finish_reason = c.finish_reason or "abort"
+            self._record_finished(track, c.index, c.finish_reason, now, None)
+        self._post([Snapshot(rid, choices, True, track.num_prompt_tokens,
+                             latest.num_cached_tokens if latest else 0)])
+
+    def _fail_all(self, message: str) -> None:
+        batch = []
+        for rid in list(self._live):
+            track = self._live.pop(rid)
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                log.exception("abort after a failed step also failed")
+            batch.append(Snapshot(rid, [], True, track.num_prompt_tokens, error=message))
+        self._post(batch)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        batch = []
+        for out in outputs:
+            track = self._live.get(out.request_id)
+            if track is None:
+                continue  # aborted while this step ran
+            m = out.metrics
+            for c in out.outputs:
+                n_tok, i = len(c.token_ids), c.index
+                if n_tok > track.counts[i]:
+                    if not track.first_token_seen:
+                        track.first_token_seen = True
+                        first = m.first_token_time if m and m.first_token_time else now
+                        self.metrics.record_first_token(first - track.arrival)
+                    if track.last[i] is not None:
+                        self.metrics.record_inter_token(now - track.last[i])
+                    if track.first[i] is None:
+                        track.first[i] = now
+                    track.last[i] = now
+                    track.counts[i] = n_tok
+            snap = Snapshot(out.request_id, [_copy(c) for c in out.outputs], out.finished,
+                            len(out.prompt_token_ids), m.num_cached_tokens if m else 0)
+            track.latest = snap
+            batch.append(snap)
+            if out.finished:
+                del self._live[out.request_id]
+                queue_time = m.queue_time if m else None
+                for c in snap.choices:
+                    self._record_finished(track, c.index, c.finish_reason or "stop", now, queue_time)
+        self._post(batch)
+
+    def _record_finished(self, track: _Track, i: int, reason: str, now: float,
+                         queue_time: float | None) -> None:
+        n = track.counts[i]
+        tpot = None
+        if n > 1 and track.first[i] is not None and track.last[i] is not None:
+            tpot = (track.last[i] - track.first[i]) / (n - 1)
+        ttft = track.first[i] - track.arrival if track.first[i] is not None else None
+        self.metrics.record_finished(FinishedRequest(
+            finish_reason=reason, num_prompt_tokens=track.num_prompt_tokens,
+            num_generation_tokens=n, e2e_latency=now - track.arrival, queue_time=queue_time,
+            ttft=ttft, mean_time_per_output_token=tpot,
+        ))

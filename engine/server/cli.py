@@ -1,0 +1,61 @@
+"""`kvpilot serve`: registers the subcommand; fastapi/uvicorn load only when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+log = logging.getLogger("kvpilot.server")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from ..cli import add_engine_args
+
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    add_engine_args(p)
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $KVPILOT_API_KEY)")
+    p.add_argument("--tuning-file", default=None,
+                   help="JSON file with live limits (max_num_seqs, max_model_len), re-read on change")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="answer 429 while this many requests wait (default: unlimited)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for in-flight requests before aborting them")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ..cli import engine_config_from_args
+    from ..llm_engine import LLMEngine
+    from .app import build_app
+    from .async_engine import AsyncEngine
+    from .metrics import ServerMetrics
+    from .runner import run_server
+    from .serving_common import ServerSettings
+
+    if args.max_queued_requests is not None and args.max_queued_requests < 1:
+        raise ValueError(f"max_queued_requests must be at least 1, got {args.max_queued_requests}")
+    if args.drain_timeout < 0:
+        raise ValueError(f"drain_timeout must be non-negative, got {args.drain_timeout}")
+    config = engine_config_from_args(args)
+    engine = LLMEngine(config)
+    name = config.model_name
+    metrics = ServerMetrics(name, engine.max_model_len)
+    settings = ServerSettings(
+        served_model_name=name, model_path=config.model,
+        max_queued_requests=args.max_queued_requests,
+        api_key=args.api_key or os.environ.get("KVPILOT_API_KEY") or None,
+        drain_timeout=args.drain_timeout,
+    )
+    async_engine = AsyncEngine(engine, metrics)
+    app = build_app(async_engine, settings, tuning_file=args.tuning_file)
+    log.info("serving %s on http://%s:%d (max_num_seqs=%d, max_model_len=%d)", name, args.host,
+             args.port, engine.max_num_seqs, engine.max_model_len)
+    return run_server(app, app.state.kvpilot, args.host, args.port,
+                      access_log=not args.disable_uvicorn_access_log,
+                      log_level=logging.getLevelName(logging.getLogger().level).lower())

@@ -1,0 +1,139 @@
+"""Prometheus collectors with vLLM's names, labels and bucket boundaries, so a stock vLLM
+dashboard (and kvpilot's operator) read this server like a vLLM pod. One registry per
+server instance; nothing module-global is mutated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..outputs import EngineStats
+
+FINISH_REASONS = ("stop", "length", "abort")
+ENGINE_INDEX = "0"  # vLLM labels every series with the engine core's index
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                         1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+@dataclass
+class FinishedRequest:
+    """What one finished sequence contributes to the request histograms."""
+
+    finish_reason: str
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    e2e_latency: float
+    queue_time: float | None
+    ttft: float | None
+    mean_time_per_output_token: float | None
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, max_model_len: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name", "engine"]
+        values = (model_name, ENGINE_INDEX)
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, registry=r).labels(*values)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=r).labels(*values)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.preemptions = counter("vllm:num_preemptions",
+                                   "Cumulative number of preemption from the engine.")
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          labels + ["finished_reason"], registry=r)
+        self.success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", TOKEN_LATENCY_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request.",
+                              TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS)
+        self.queue = histogram("vllm:request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.",
+                               REQUEST_LATENCY_BUCKETS)
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.req_prompt_tokens = histogram("vllm:request_prompt_tokens",
+                                           "Number of prefill tokens processed.", token_buckets)
+        self.req_generation_tokens = histogram("vllm:request_generation_tokens",
+                                               "Number of generation tokens processed.", token_buckets)
+        kv_labels = ["model_name"]
+        self.max_num_seqs = Gauge("kvpilot:max_num_seqs", "max_num_seqs in effect (live-tunable).",
+                                  kv_labels, registry=r).labels(model_name)
+        self.max_model_len = Gauge("kvpilot:max_model_len", "max_model_len in effect (live-tunable).",
+                                   kv_labels, registry=r).labels(model_name)
+        self._last: EngineStats | None = None
+
+    def record_stats(self, stats: EngineStats) -> None:
+        """Gauges take the current value; counters grow by the change since the last call."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.max_num_seqs.set(stats.max_num_seqs)
+        self.max_model_len.set(stats.max_model_len)
+        last = self._last
+        for counter, field in (
+            (self.preemptions, "num_preemptions_total"),
+            (self.prefix_queries, "prefix_cache_queries_total"),
+            (self.prefix_hits, "prefix_cache_hits_total"),
+            (self.prompt_tokens, "prompt_tokens_total"),
+            (self.generation_tokens, "generation_tokens_total"),
+        ):
+            delta = getattr(stats, field) - (getattr(last, field) if last else 0)
+            if delta > 0:
+                counter.inc(delta)
+        self._last = stats
+
+    def record_first_token(self, ttft: float) -> None:
+        self.ttft.observe(max(ttft, 0.0))
+
+    def record_inter_token(self, latency: float) -> None:
+        self.itl.observe(max(latency, 0.0))
+
+    def record_finished(self, req: FinishedRequest) -> None:
+        self.success[req.finish_reason if req.finish_reason in self.success else "stop"].inc()
+        self.e2e.observe(max(req.e2e_latency, 0.0))
+        if req.queue_time is not None:
+            self.queue.observe(max(req.queue_time, 0.0))
+        self.req_prompt_tokens.observe(req.num_prompt_tokens)
+        self.req_generation_tokens.observe(req.num_generation_tokens)
+        if req.mean_time_per_output_token is not None:
+            self.tpot.observe(max(req.mean_time_per_output_token, 0.0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

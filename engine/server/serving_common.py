@@ -1,0 +1,231 @@
+"""What both generation endpoints share: model check, sampling parameters, admission,
+disconnect watching, SSE framing and usage."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..outputs import TokenLogprob
+from ..sampling_params import SamplingParams
+from .async_engine import AsyncEngine, Choice, EngineError, RequestStream, Snapshot, StreamClosed
+from .errors import APIError, error_body
+from .protocol import _Sampling
+
+log = logging.getLogger("kvpilot.server")
+
+DISCONNECT_POLL_S = 0.2
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str
+    model_path: str
+    max_queued_requests: int | None = None
+    api_key: str | None = None
+    drain_timeout: float = 30.0
+
+
+@dataclass
+class ServerState:
+    """Per-app mutable state (lives on app.state, never module-global)."""
+
+    settings: ServerSettings
+    engine: AsyncEngine
+    draining: bool = False
+
+
+def check_model(model: str | None, settings: ServerSettings) -> str:
+    if model is not None and model != settings.served_model_name:
+        raise APIError(404, f"the model `{model}` does not exist; this server serves "
+                            f"`{settings.served_model_name}`", param="model", code="model_not_found")
+    return settings.served_model_name
+
+
+def _param_of(message: str, fields) -> str | None:
+    word = message.split(" ", 1)[0].strip("'\"`:")
+    return word if word in fields else None
+
+
+def build_params(body: _Sampling, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    if body.logit_bias:
+        raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
+    kwargs = dict(
+        n=body.n, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos, max_tokens=max_tokens, min_tokens=body.min_tokens,
+        logprobs=logprobs, include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
+    )
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty"):
+        value = getattr(body, name)
+        if value is not None:
+            kwargs[name] = value
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=_param_of(str(exc), type(body).model_fields)) from None
+
+
+def check_length(state: ServerState, num_prompt_tokens: int, params: SamplingParams,
+                 max_tokens_field: str = "max_tokens") -> None:
+    """Refuse a request that cannot fit before it is queued (the engine checks again)."""
+    try:
+        state.engine.engine.resolve_max_tokens(num_prompt_tokens, params)
+    except ValueError as exc:
+        param = max_tokens_field if params.max_tokens is not None else "prompt"
+        raise APIError(400, str(exc), param=param) from None
+
+
+async def admit(state: ServerState, request: Request, prompt_ids: list[int],
+                params: SamplingParams, arrival: float) -> RequestStream:
+    """Queue the request in the engine: 503 while draining, 429 when the queue is full."""
+    if state.draining:
+        raise APIError(503, "the server is shutting down and admits no new requests")
+    limit = state.settings.max_queued_requests
+    if limit is not None and state.engine.queue_length >= limit:
+        raise APIError(429, f"the waiting queue is full ({limit} requests); retry later")
+    rid = state.engine.unique_request_id(request.headers.get("x-request-id"))
+    try:
+        return await state.engine.add(rid, prompt_ids, params, arrival_time=arrival)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+
+
+async def watch_disconnect(request: Request, stream: RequestStream) -> None:
+    """Close the stream (aborting the request in the engine, freeing its KV blocks) as soon
+    as the client goes away; ends by itself once the request is done."""
+    try:
+        while not stream.finished and not stream.closed:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            if await request.is_disconnected():
+                if not stream.finished:
+                    log.info("client disconnected; aborting request %s", stream.request_id)
+                stream.close()
+                return
+    except asyncio.CancelledError:
+        pass
+
+
+async def final_snapshot(stream: RequestStream, watcher: asyncio.Task) -> Snapshot | None:
+    """Wait for the request to finish; None if the client went away first."""
+    snap = None
+    try:
+        async for snap in stream:
+            pass
+    except StreamClosed:
+        return None
+    except EngineError as exc:
+        raise APIError(500, str(exc)) from None
+    finally:
+        watcher.cancel()
+        stream.close()
+    if snap is None:
+        raise APIError(500, "the request ended without output")
+    return snap
+
+
+class DeltaTracker:
+    """What each choice gained since the last streamed chunk."""
+
+    def __init__(self, n: int) -> None:
+        self.sent_text, self.sent_tokens, self.done = [0] * n, [0] * n, [False] * n
+
+    def take(self, c: Choice) -> tuple[str, list[TokenLogprob] | None] | None:
+        """(new text, new logprobs) for a chunk, or None when there is nothing to send."""
+        i = c.index
+        if self.done[i]:
+            return None
+        text = c.text[self.sent_text[i]:]
+        if not text and c.finish_reason is None:
+            return None  # tokens whose text is still held back go out with the next chunk
+        logprobs = c.logprobs[self.sent_tokens[i]:] if c.logprobs is not None else None
+        self.sent_text[i], self.sent_tokens[i] = len(c.text), len(c.token_ids)
+        self.done[i] = c.finish_reason is not None
+        return text, logprobs
+
+
+async def sse_events(stream: RequestStream, watcher: asyncio.Task, first: list[str],
+                     render: Callable[[Snapshot], str | None],
+                     usage_chunk: Callable[[Snapshot], str] | None) -> AsyncIterator[str]:
+    """The SSE body: `first` chunks, one chunk per snapshot that `render`s to something,
+    the usage chunk if asked for, then [DONE]. Closing (a disconnect) aborts the request."""
+    last = None
+    try:
+        for chunk in first:
+            yield chunk
+        async for snap in stream:
+            last = snap
+            chunk = render(snap)
+            if chunk:
+                yield chunk
+        if usage_chunk is not None and last is not None:
+            yield usage_chunk(last)
+        yield sse("[DONE]")
+    except StreamClosed:
+        return
+    except EngineError as exc:
+        yield sse(error_body(500, str(exc)))
+        yield sse("[DONE]")
+    finally:
+        watcher.cancel()
+        stream.close()
+
+
+def usage(num_prompt_tokens: int, snap: Snapshot) -> dict:
+    completion = sum(len(c.token_ids) for c in snap.choices)
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": completion,
+            "total_tokens": num_prompt_tokens + completion}
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+class Reply:
+    """One admitted request's response plumbing: ids and headers, the disconnect watcher,
+    the JSON body or the SSE stream with its usage chunk."""
+
+    def __init__(self, request: Request, stream: RequestStream, *, id_prefix: str, object: str,
+                 model: str, num_prompt_tokens: int, include_usage: bool = False) -> None:
+        self.stream = stream
+        rid = stream.request_id
+        self.headers = {} if request.headers.get("x-request-id") else {"X-Request-Id": rid}
+        self.head = {"id": f"{id_prefix}-{rid}", "object": object, "created": now_s(), "model": model}
+        self.num_prompt_tokens = num_prompt_tokens
+        self.include_usage = include_usage
+        self.watcher = asyncio.create_task(watch_disconnect(request, stream))
+
+    async def final(self) -> Snapshot | None:
+        return await final_snapshot(self.stream, self.watcher)
+
+    def json(self, choices: list[dict], snap: Snapshot) -> JSONResponse:
+        return JSONResponse({**self.head, "choices": choices,
+                             "usage": usage(self.num_prompt_tokens, snap)}, headers=self.headers)
+
+    def chunk(self, choices: list[dict]) -> str:
+        return sse({**self.head, "choices": choices, **({"usage": None} if self.include_usage else {})})
+
+    def _usage_chunk(self, snap: Snapshot) -> str:
+        return sse({**self.head, "choices": [], "usage": usage(self.num_prompt_tokens, snap)})
+
+    def streaming(self, first: list[str], render: Callable[[Snapshot], str | None]) -> StreamingResponse:
+        events = sse_events(self.stream, self.watcher, first, render,
+                            self._usage_chunk if self.include_usage else None)
+        return StreamingResponse(events, media_type="text/event-stream", headers=self.headers)
+
+    @staticmethod
+    def client_gone() -> Response:
+        return Response(status_code=499)  # nobody reads it; the request was aborted

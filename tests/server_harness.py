@@ -1,0 +1,131 @@
+"""Start a real `kvpilot serve` subprocess on a free port and wait for it (with a deadline).
+Shared by the server and bench-serve tests."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+START_DEADLINE_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "kvpilot.engine.cli", "serve", "--host", "127.0.0.1",
+               "--port", str(self.port), "--disable-uvicorn-access-log", *args]
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+
+    def wait_ready(self, deadline_s: float = START_DEADLINE_S) -> None:
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvpilot serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"kvpilot serve not healthy after {deadline_s} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 60) -> str:
+        self._log.flush()
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample as `name{label=value,...}` (labels sorted) -> value, plus bare names
+        summed over labels for the single-series ones."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}"] = s.value
+                out[s.name] = out.get(s.name, 0.0) + s.value
+        return out
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+def wait_for(predicate, deadline_s: float, interval: float = 0.1, what: str = "condition"):
+    """Poll until predicate() is truthy; return its value or raise after the deadline."""
+    deadline = time.monotonic() + deadline_s
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {deadline_s} s waiting for {what} (last: {last!r})")
+
+
+# --- one server shared by the test modules that can share it ------------------------------
+
+SHARED_MODEL = "tiny"
+SHARED_API_KEY = "test-key-123"
+SHARED_MAX_NUM_SEQS = 8
+SHARED_MAX_MODEL_LEN = 2048
+_shared: list[ServerProcess] = []
+
+
+def write_tuning(path: Path, **values) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(values))
+    tmp.replace(path)  # atomic, like a ConfigMap's symlink swap
+
+
+def shared_server() -> ServerProcess:
+    """builtin:tiny served as `tiny` with an API key and a tuning file holding
+    max_num_seqs=8, max_model_len=2048; started once per test session (stopped at exit).
+    Tests that change its settings put them back."""
+    if _shared and _shared[0].proc.poll() is None:
+        return _shared[0]
+    tmp = Path(tempfile.mkdtemp(prefix="kvpilot-serve-"))
+    tuning = tmp / "tuning.json"
+    write_tuning(tuning, max_num_seqs=SHARED_MAX_NUM_SEQS, max_model_len=SHARED_MAX_MODEL_LEN)
+    proc = ServerProcess([
+        "--model", "builtin:tiny", "--served-model-name", SHARED_MODEL, "--max-num-seqs", "32",
+        "--max-model-len", "4096", "--kv-cache-memory", "64Mi", "--api-key", SHARED_API_KEY,
+        "--tuning-file", str(tuning),
+    ], tmp / "server.log")
+    proc.tuning_file = tuning
+    try:
+        proc.wait_ready()
+    except BaseException:
+        proc.stop(signal.SIGKILL)
+        raise
+    _shared[:] = [proc]
+    atexit.register(proc.stop)
+    return proc

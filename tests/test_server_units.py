@@ -1,0 +1,92 @@
+"""Server pieces without a model: the tuning file watcher and the metrics registry."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.engine.outputs import EngineStats
+from kvpilot.engine.server.metrics import TTFT_BUCKETS, ServerMetrics, buckets_1_2_5
+from kvpilot.engine.server.tuning import TuningError, TuningWatcher, parse_tuning
+
+
+def test_parse_tuning():
+    assert parse_tuning(b'{"max_num_seqs": 24, "max_model_len": 1024}') == {
+        "max_num_seqs": 24, "max_model_len": 1024}
+    assert parse_tuning(b'{"max_num_seqs": 3, "future_knob": "x"}') == {"max_num_seqs": 3}
+    for raw, field in ((b"{", "JSON"), (b"[1]", "object"), (b'{"max_num_seqs": 0}', "max_num_seqs"),
+                       (b'{"max_model_len": true}', "max_model_len"),
+                       (b'{"max_num_seqs": "8"}', "max_num_seqs")):
+        with pytest.raises(TuningError, match=field):
+            parse_tuning(raw)
+
+
+def test_watcher_follows_content_through_a_symlink_swap(tmp_path, caplog):
+    """A ConfigMap update swaps a symlink; the new file may carry the old mtime."""
+    limits = {"max_num_seqs": 8, "max_model_len": 2048}
+
+    async def apply(**changes):
+        if changes.get("max_model_len", 0) > 4096:
+            raise ValueError("max_model_len (9999) exceeds the model's max_position_embeddings")
+        limits.update(changes)
+
+    v1, v2 = tmp_path / "v1.json", tmp_path / "v2.json"
+    v1.write_text('{"max_num_seqs": 4}')
+    v2.write_text('{"max_num_seqs": 2, "max_model_len": 1024}')
+    os.utime(v2, ns=(os.stat(v1).st_atime_ns, os.stat(v1).st_mtime_ns))
+    link = tmp_path / "tuning.json"
+    watcher = TuningWatcher(link, apply=apply, current=lambda: dict(limits))
+
+    async def scenario():
+        assert await watcher.check() is False  # missing file: logged, nothing changes
+        link.symlink_to(v1)
+        assert await watcher.check() is True and limits["max_num_seqs"] == 4
+        assert await watcher.check() is False  # same content: no re-apply
+        tmp = tmp_path / "tmp-link"
+        tmp.symlink_to(v2)
+        tmp.replace(link)
+        assert await watcher.check() is True and limits == {"max_num_seqs": 2, "max_model_len": 1024}
+        link.unlink()
+        link.write_text('{"max_num_seqs": -1}')
+        assert await watcher.check() is False
+        link.write_text('{"max_model_len": 9999}')
+        assert await watcher.check() is False
+
+    asyncio.run(scenario())
+    assert limits == {"max_num_seqs": 2, "max_model_len": 1024}
+    rejected = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
+    assert len(rejected) == 2 and "keeping max_num_seqs=2" in rejected[0]
+
+
+def _stats(**kw) -> EngineStats:
+    base = dict(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_kv_blocks=10,
+                num_preemptions_total=0, prefix_cache_queries_total=0, prefix_cache_hits_total=0,
+                prompt_tokens_total=0, generation_tokens_total=0, max_num_seqs=8, max_model_len=2048)
+    return EngineStats(**{**base, **kw})
+
+
+def test_metrics_registry_names_buckets_and_counter_deltas():
+    assert buckets_1_2_5(2048) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
+    m = ServerMetrics("tiny", 2048)
+    m.record_stats(_stats(prompt_tokens_total=10, generation_tokens_total=5, num_running=2))
+    m.record_stats(_stats(prompt_tokens_total=30, generation_tokens_total=9, num_running=1,
+                          kv_cache_usage=0.25, max_num_seqs=4))
+    m.record_first_token(0.03)
+    samples = {}
+    for family in text_string_to_metric_families(m.render().decode()):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append(s)
+    assert samples["vllm:prompt_tokens_total"][0].value == 30
+    assert samples["vllm:generation_tokens_total"][0].value == 9
+    assert samples["vllm:num_requests_running"][0].value == 1
+    assert samples["vllm:kv_cache_usage_perc"][0].value == 0.25
+    assert samples["kvpilot:max_num_seqs"][0].value == 4
+    assert samples["kvpilot:max_num_seqs"][0].labels == {"model_name": "tiny"}
+    assert samples["vllm:num_requests_running"][0].labels == {"model_name": "tiny", "engine": "0"}
+    les = [float(s.labels["le"]) for s in samples["vllm:time_to_first_token_seconds_bucket"]]
+    assert les[:-1] == list(TTFT_BUCKETS)
+    other = ServerMetrics("other", 1024)  # a second registry: no clash, no shared state
+    assert b"other" in other.render() and b'model_name="tiny"' not in other.render()
