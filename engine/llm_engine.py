@@ -96,6 +96,18 @@ class LLMEngine:
                 f"(kv_cache_memory / gpu_memory_utilization)."
             )
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.runner.kv_bytes_per_block // self.config.block_size
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_capacity_tokens * self.kv_bytes_per_token
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+
     # --- limits that can change while serving ----------------------------------------
     @property
     def max_model_len(self) -> int:

@@ -199,7 +199,9 @@ def test_chat_bad_input(server):
         _envelope(httpx.post(server.url + "/v1/chat/completions", json=body, headers=_auth()), 400)
 
 
-def test_length_errors_name_both_numbers(client):
+def test_length_errors_name_both_numbers(server, client):
+    refusals = f"kvpilot:request_length_refusals_total{{model_name={MODEL}}}"
+    before = server.metrics()[refusals]
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=[20] * 2100, max_tokens=16)
     assert "2100" in e.value.message and str(MAX_MODEL_LEN) in e.value.message
@@ -209,6 +211,16 @@ def test_length_errors_name_both_numbers(client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                        max_completion_tokens=5000)
+    # The autotuner reads these refusals as the signal to raise max_model_len again.
+    assert server.metrics()[refusals] == before + 3
+
+
+def test_capacity_gauges_report_the_kv_sizing(server):
+    m = server.metrics()
+    # builtin:tiny in float32: 4 KiB per token; the server was given 64 MiB of KV cache.
+    assert m[f"kvpilot:kv_cache_bytes_per_token{{model_name={MODEL}}}"] == 4096
+    assert m[f"kvpilot:kv_cache_bytes{{model_name={MODEL}}}"] == 64 * 2**20
+    assert m[f"kvpilot:model_weight_bytes{{model_name={MODEL}}}"] > 0
 
 
 def test_unknown_model_auth_and_routes(server, client):

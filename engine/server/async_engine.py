@@ -145,6 +145,9 @@ class AsyncEngine:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.metrics.record_stats(self.engine.stats())
+        self.metrics.record_capacity(
+            self.engine.kv_cache_bytes, self.engine.kv_bytes_per_token, self.engine.weight_bytes
+        )
         self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
         self._thread.start()
 

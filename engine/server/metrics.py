@@ -97,7 +97,25 @@ class ServerMetrics:
                                   kv_labels, registry=r).labels(model_name)
         self.max_model_len = Gauge("kvpilot:max_model_len", "max_model_len in effect (live-tunable).",
                                    kv_labels, registry=r).labels(model_name)
+        # What the engine worked out at start-up, so the autotuner can run the KV sizing
+        # formula backwards for any model without reading its config.
+        self.kv_cache_bytes = Gauge("kvpilot:kv_cache_bytes", "Bytes allotted to the paged KV cache.",
+                                    kv_labels, registry=r).labels(model_name)
+        self.kv_bytes_per_token = Gauge(
+            "kvpilot:kv_cache_bytes_per_token", "KV-cache bytes one token takes, all layers.",
+            kv_labels, registry=r).labels(model_name)
+        self.weight_bytes = Gauge("kvpilot:model_weight_bytes", "Bytes of model weights.",
+                                  kv_labels, registry=r).labels(model_name)
+        self.length_refusals = Counter(
+            "kvpilot:request_length_refusals",
+            "Requests refused because prompt + max_tokens exceeds max_model_len.",
+            kv_labels, registry=r).labels(model_name)
         self._last: EngineStats | None = None
+
+    def record_capacity(self, kv_cache_bytes: int, kv_bytes_per_token: int, weight_bytes: int) -> None:
+        self.kv_cache_bytes.set(kv_cache_bytes)
+        self.kv_bytes_per_token.set(kv_bytes_per_token)
+        self.weight_bytes.set(weight_bytes)
 
     def record_stats(self, stats: EngineStats) -> None:
         """Gauges take the current value; counters grow by the change since the last call."""

@@ -80,6 +80,7 @@ def check_length(state: ServerState, num_prompt_tokens: int, params: SamplingPar
     try:
         state.engine.engine.resolve_max_tokens(num_prompt_tokens, params)
     except ValueError as exc:
+        state.engine.metrics.length_refusals.inc()
         param = max_tokens_field if params.max_tokens is not None else "prompt"
         raise APIError(400, str(exc), param=param) from None
 
