@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 # Caches live outside the clone so repeated runs (and CI on a clean clone) reuse them.
 export PIP_CACHE_DIR ?= $(HOME)/.cache/pip
 export KVPILOT_CACHE_DIR ?= $(HOME)/.cache/kvpilot
+include e2e/cluster.mk
 
 .PHONY: dev test test-fast demo clean
 

@@ -1,0 +1,25 @@
+# The local Kubernetes (e2e/): included by the top Makefile.
+#   make cluster-build  build etcd, kube-*, kubectl and Prometheus once (cached in ~/.cache/kvpilot/)
+#   make cluster-up     start it in the background; writes .cluster/kubeconfig and .cluster/env
+#   make cluster-down   stop exactly the processes cluster-up started
+#   make cluster-status what is running
+# Included near the top of the Makefile: keep whatever goal was the default.
+_cluster_mk_default_goal := $(.DEFAULT_GOAL)
+CLUSTER_DIR ?= $(CURDIR)/.cluster
+LOCALCLUSTER = cd e2e && $(abspath $(PY)) -m localcluster
+
+.PHONY: cluster-build cluster-up cluster-down cluster-status
+
+cluster-build: dev
+	$(LOCALCLUSTER) build
+
+cluster-up: dev
+	$(LOCALCLUSTER) up --dir $(CLUSTER_DIR)
+
+cluster-down:
+	$(LOCALCLUSTER) down --dir $(CLUSTER_DIR)
+
+cluster-status:
+	$(LOCALCLUSTER) status --dir $(CLUSTER_DIR)
+
+.DEFAULT_GOAL := $(_cluster_mk_default_goal)

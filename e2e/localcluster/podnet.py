@@ -1,0 +1,97 @@
+"""The pod network of one local cluster: a network namespace holding every
+pod, joined to the host by a veth pair. Each pod gets its own address
+10.K.x.y on that namespace's loopback device, so all pods can listen on the
+same port; the host side of the veth is the gateway 10.K.255.254, where the
+API server, Prometheus and the node's endpoint listen, reachable from the host
+and from pods alike.
+
+Why not 127.x.y.z pod addresses: the API server refuses loopback addresses in
+EndpointSlices (ValidateEndpointIP), so Services would get no endpoints.
+
+The namespace is held by a `sleep` process made by `unshare --net`; the kernel
+removes the namespace and the veth pair once that process and the pods are
+gone, so nothing persists after the cluster's processes end."""
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import random
+import subprocess
+import time
+from dataclasses import dataclass
+
+
+def _ip(*args: str, netns: str | None = None) -> str:
+    cmd = ["ip", *args]
+    if netns:
+        cmd = ["nsenter", f"--net={netns}", *cmd]
+    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+
+
+def choose_octet() -> int:
+    """K such that 10.K.0.0/16 overlaps no route or address on this machine
+    (other local clusters included)."""
+    used = []
+    for r in json.loads(_ip("-j", "-4", "route", "show", "table", "all") or "[]"):
+        dst = r.get("dst", "")
+        if dst and dst != "default":
+            try:
+                used.append(ipaddress.ip_network(dst if "/" in dst else dst + "/32", strict=False))
+            except ValueError:
+                pass
+    free = [k for k in range(16, 250)
+            if not any(ipaddress.ip_network(f"10.{k}.0.0/16").overlaps(u) for u in used)]
+    if not free:
+        raise RuntimeError("no free 10.K.0.0/16 subnet for the pod network")
+    return random.choice(free)
+
+
+@dataclass(frozen=True)
+class PodNetwork:
+    octet: int
+    holder_pid: int
+
+    @property
+    def gateway(self) -> str:
+        return f"10.{self.octet}.255.254"
+
+    @property
+    def netns(self) -> str:
+        return f"/proc/{self.holder_pid}/ns/net"
+
+    @property
+    def cidr(self) -> str:
+        return f"10.{self.octet}.0.0/16"
+
+    def setup(self) -> None:
+        """Links the holder's namespace to the host with a veth pair."""
+        deadline = time.monotonic() + 10
+        me = os.readlink("/proc/self/ns/net")
+        while os.readlink(self.netns) == me:  # unshare has not run yet
+            if time.monotonic() > deadline:
+                raise RuntimeError("pod network namespace did not appear")
+            time.sleep(0.01)
+        host, peer = f"kvp{self.octet}h", f"kvp{self.octet}p"
+        _ip("link", "add", host, "type", "veth", "peer", "name", peer, "netns", str(self.holder_pid))
+        _ip("addr", "add", f"{self.gateway}/16", "dev", host)
+        _ip("link", "set", host, "up")
+        _ip("link", "set", "lo", "up", netns=self.netns)
+        _ip("addr", "add", f"10.{self.octet}.255.253/16", "dev", peer, netns=self.netns)
+        _ip("link", "set", peer, "up", netns=self.netns)
+
+    @staticmethod
+    def remove_leftover(octet: int) -> None:
+        """Deletes the host end of the veth pair if it outlived the namespace
+        (normally the kernel removes it with the namespace)."""
+        if subprocess.run(["ip", "link", "show", f"kvp{octet}h"], capture_output=True).returncode == 0:
+            subprocess.run(["ip", "link", "del", f"kvp{octet}h"], capture_output=True)
+
+    def add_address(self, ip: str) -> None:
+        _ip("addr", "add", f"{ip}/32", "dev", "lo", netns=self.netns)
+
+    def del_address(self, ip: str) -> None:
+        try:
+            _ip("addr", "del", f"{ip}/32", "dev", "lo", netns=self.netns)
+        except subprocess.CalledProcessError:
+            pass

@@ -1,0 +1,207 @@
+"""The local Kubernetes itself: Deployments become Available on the process
+node, Services get EndpointSlices, Prometheus scrapes pods, scaling and
+deletion start and stop processes, ConfigMap changes reach mounted files."""
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+SERVER = (Path(__file__).parent / "testapps" / "echo_server.py").read_text()
+
+
+def echo_manifests(ns: str, replicas: int = 2) -> list[dict]:
+    labels = {"app": "echo"}
+    return [
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "echo-app", "namespace": ns},
+         "data": {"echo_server.py": SERVER}},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "echo-message", "namespace": ns},
+         "data": {"message": "hello v1"}},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "echo", "namespace": ns},
+         "spec": {"replicas": replicas, "selector": {"matchLabels": labels}, "template": {
+             "metadata": {"labels": labels, "annotations": {
+                 "prometheus.io/scrape": "true", "prometheus.io/port": "8080",
+                 "prometheus.io/path": "/metrics"}},
+             "spec": {"terminationGracePeriodSeconds": 5, "containers": [{
+                 "name": "echo", "image": "python:3.11-slim",  # ignored: runs locally
+                 "command": ["python", "/app/echo_server.py"],
+                 "args": ["--host", "$(POD_IP)", "--port", "8080"],
+                 "env": [
+                     {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                     {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                     {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                     {"name": "MESSAGE_FILE", "value": "/etc/echo/message"}],
+                 "ports": [{"name": "http", "containerPort": 8080}],
+                 "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"},
+                                    "periodSeconds": 1, "failureThreshold": 1},
+                 "volumeMounts": [{"name": "app", "mountPath": "/app", "readOnly": True},
+                                  {"name": "message", "mountPath": "/etc/echo"},
+                                  {"name": "scratch", "mountPath": "/scratch"}]}],
+                 "volumes": [{"name": "app", "configMap": {"name": "echo-app"}},
+                             {"name": "message", "configMap": {"name": "echo-message"}},
+                             {"name": "scratch", "emptyDir": {}}]}}}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "echo", "namespace": ns},
+         "spec": {"selector": labels, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}},
+    ]
+
+
+@pytest.fixture(scope="module")
+def echo(cluster):
+    """A namespace with the echo Deployment (2 replicas) and its Service."""
+    ns = f"echo-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", ns)
+    cluster.apply(echo_manifests(ns))
+    yield ns
+    cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def ready_pods(kube, ns: str) -> list[dict]:
+    pods = kube.get(f"/api/v1/namespaces/{ns}/pods", params={"labelSelector": "app=echo"})["items"]
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp") and any(
+        c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]
+
+
+def deployment_available(kube, ns: str, replicas: int) -> bool:
+    d = kube.get(f"/apis/apps/v1/namespaces/{ns}/deployments/echo")
+    st = d.get("status", {})
+    available = any(c["type"] == "Available" and c["status"] == "True" for c in st.get("conditions", []))
+    return available and st.get("readyReplicas") == replicas and st.get("replicas") == replicas \
+        and st.get("updatedReplicas") == replicas
+
+
+def test_node_is_ready_and_reports_the_version(cluster):
+    from kubernetes import client
+    api = client.CoreV1Api(cluster.api_client())
+    node = api.read_node("kvpilot-node")
+    assert node.status.capacity["nvidia.com/gpu"] == "8"
+    assert any(c.type == "Ready" and c.status == "True" for c in node.status.conditions)
+    version = json.loads(cluster.kubectl("version", "-o", "json").stdout)
+    assert version["serverVersion"]["gitVersion"] == cluster.state["version"]
+    assert version["clientVersion"]["gitVersion"] == cluster.state["version"]
+
+
+def test_deployment_becomes_available(cluster, echo, wait_for):
+    kube = cluster.kube()
+    wait_for(lambda: deployment_available(kube, echo, 2), timeout=90, what="Deployment echo Available")
+    pods = ready_pods(kube, echo)
+    assert len(pods) == 2
+    ips = {p["status"]["podIP"] for p in pods}
+    assert len(ips) == 2, "each pod has its own address"
+    for p in pods:
+        cs = p["status"]["containerStatuses"][0]
+        assert cs["ready"] and cs["started"] and "running" in cs["state"]
+        assert {c["type"] for c in p["status"]["conditions"]} >= {"Ready", "ContainersReady",
+                                                                   "Initialized", "PodScheduled"}
+    rs = kube.get(f"/apis/apps/v1/namespaces/{echo}/replicasets")["items"]
+    assert len(rs) == 1 and rs[0]["metadata"]["ownerReferences"][0]["name"] == "echo"
+
+
+def test_service_endpointslice_lists_the_pods_and_each_answers(cluster, echo, wait_for):
+    kube = cluster.kube()
+    wait_for(lambda: deployment_available(kube, echo, 2), timeout=90, what="Deployment echo Available")
+    pod_ips = {p["status"]["podIP"]: p["metadata"]["name"] for p in ready_pods(kube, echo)}
+
+    def slice_ips():
+        slices = kube.get(f"/apis/discovery.k8s.io/v1/namespaces/{echo}/endpointslices",
+                          params={"labelSelector": "kubernetes.io/service-name=echo"})["items"]
+        ready = {a for s in slices for e in s.get("endpoints") or []
+                 if e.get("conditions", {}).get("ready") for a in e["addresses"]}
+        return ready == set(pod_ips) and ready
+
+    wait_for(slice_ips, timeout=60, what="EndpointSlice with both pod addresses")
+    for ip, name in pod_ips.items():
+        r = httpx.get(f"http://{ip}:8080/", timeout=5)
+        assert r.status_code == 200
+        assert r.json() == {"pod": name, "namespace": echo, "ip": ip}
+
+
+def test_prometheus_scrapes_each_pod(cluster, echo, wait_for):
+    kube = cluster.kube()
+    wait_for(lambda: deployment_available(kube, echo, 2), timeout=90, what="Deployment echo Available")
+    names = {p["metadata"]["name"] for p in ready_pods(kube, echo)}
+
+    def series():
+        r = httpx.get(f"{cluster.prometheus_url}/api/v1/query",
+                      params={"query": f'e2e_echo_requests_total{{namespace="{echo}"}}'}, timeout=5)
+        result = r.json()["data"]["result"]
+        pods = {s["metric"]["pod"] for s in result}
+        return pods == names and result
+
+    result = wait_for(series, timeout=60, interval=0.5, what="one series per echo pod in Prometheus")
+    assert len(result) == 2
+    for s in result:
+        assert s["metric"]["app"] == "echo"  # pod labels are carried over
+        assert s["metric"]["namespace"] == echo
+
+
+def test_configmap_change_reaches_the_mounted_file(cluster, echo, wait_for):
+    kube = cluster.kube()
+    wait_for(lambda: deployment_available(kube, echo, 2), timeout=90, what="Deployment echo Available")
+    ip = ready_pods(kube, echo)[0]["status"]["podIP"]
+    assert httpx.get(f"http://{ip}:8080/message", timeout=5).text == "hello v1"
+    kube.merge_patch(f"/api/v1/namespaces/{echo}/configmaps/echo-message", {"data": {"message": "hello v2"}})
+    wait_for(lambda: httpx.get(f"http://{ip}:8080/message", timeout=5).text == "hello v2",
+             timeout=30, what="the new ConfigMap content at /etc/echo/message")
+
+
+def test_scaling_starts_and_stops_processes(cluster, echo, wait_for):
+    kube = cluster.kube()
+    wait_for(lambda: deployment_available(kube, echo, 2), timeout=90, what="Deployment echo Available")
+    cluster.kubectl("scale", "deployment/echo", "-n", echo, "--replicas=3")
+    wait_for(lambda: deployment_available(kube, echo, 3), timeout=60, what="3 ready replicas")
+    wait_for(lambda: len(cluster.pod_processes(echo)) == 3, timeout=30, what="3 pod processes")
+    cluster.kubectl("scale", "deployment/echo", "-n", echo, "--replicas=1")
+    wait_for(lambda: deployment_available(kube, echo, 1), timeout=60, what="1 ready replica")
+    wait_for(lambda: len(cluster.pod_processes(echo)) == 1, timeout=30, what="1 pod process")
+    wait_for(lambda: len(kube.get(f"/api/v1/namespaces/{echo}/pods")["items"]) == 1, timeout=30,
+             what="the removed pods to be deleted")
+
+
+def test_deleting_the_deployment_cascades(cluster, echo, wait_for):
+    kube = cluster.kube()
+    assert cluster.pod_processes(echo)
+    cluster.kubectl("delete", "deployment", "echo", "-n", echo, "--wait=false")
+    wait_for(lambda: not kube.get(f"/apis/apps/v1/namespaces/{echo}/replicasets")["items"], timeout=60,
+             what="the ReplicaSet to be garbage-collected")
+    wait_for(lambda: not kube.get(f"/api/v1/namespaces/{echo}/pods")["items"], timeout=60,
+             what="the pods to be deleted")
+    wait_for(lambda: not cluster.pod_processes(echo), timeout=30, what="the pod processes to end")
+
+
+def test_env_args_and_kubectl_logs(cluster, namespace, wait_for):
+    """valueFrom (fieldRef, secretKeyRef, configMapKeyRef), $(VAR) expansion,
+    emptyDir, crash restarts with back-off, and `kubectl logs`."""
+    cluster.apply([
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "api"}, "stringData": {"key": "s3cret"}},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"}, "data": {"mode": "fast"}},
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "printer"}, "spec": {
+            "containers": [{
+                "name": "main", "image": "ignored",
+                "command": ["sh", "-c"],
+                "args": ["echo key=$API_KEY mode=$MODE greeting='$(GREETING)' ns=$(NS) "
+                         "path=$(which python) && touch /scratch/mark && ls /scratch && exit 3"],
+                "env": [{"name": "API_KEY", "valueFrom": {"secretKeyRef": {"name": "api", "key": "key"}}},
+                        {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "mode"}}},
+                        {"name": "NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                        {"name": "GREETING", "value": "hi-$(NS)"}],
+                "volumeMounts": [{"name": "work", "mountPath": "/scratch"}]}],
+            "volumes": [{"name": "work", "emptyDir": {}}]}},
+    ], namespace=namespace)
+    kube = cluster.kube()
+
+    def restarted_twice():
+        p = kube.get(f"/api/v1/namespaces/{namespace}/pods/printer")
+        cs = (p.get("status", {}).get("containerStatuses") or [{}])[0]
+        last = cs.get("lastState", {}).get("terminated")
+        return cs.get("restartCount", 0) >= 2 and last and last["exitCode"] == 3 and cs
+
+    wait_for(restarted_twice, timeout=60, what="the crashing container to be restarted twice")
+    out = cluster.kubectl("logs", "printer", "-n", namespace).stdout
+    venv_python = Path(__file__).resolve().parent.parent / ".venv" / "bin" / "python"
+    assert f"key=s3cret mode=fast greeting=hi-{namespace} ns={namespace} path={venv_python}" in out
+    assert "mark" in out
