@@ -1,0 +1,47 @@
+{{- define "kvpilot.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}{{ .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else -}}{{ printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" }}{{- end -}}
+{{- end -}}
+
+{{- define "kvpilot.selectorLabels" -}}
+app.kubernetes.io/name: kvpilot-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kvpilot.labels" -}}
+{{ include "kvpilot.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: kvpilot
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "kvpilot.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}{{ default (include "kvpilot.fullname" .) .Values.serviceAccount.name }}
+{{- else -}}{{ default "default" .Values.serviceAccount.name }}{{- end -}}
+{{- end -}}
+
+{{/* The operator's permissions: exactly what kvpilot/operator uses, no wildcards. */}}
+{{- define "kvpilot.rules" -}}
+- apiGroups: ["serving.kvpilot.dev"]
+  resources: ["llmdeployments"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["serving.kvpilot.dev"]
+  resources: ["llmdeployments/status"]
+  verbs: ["get", "patch"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["configmaps", "services"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims", "secrets"]
+  verbs: ["get"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end -}}

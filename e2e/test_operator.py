@@ -1,0 +1,261 @@
+"""The operator end to end on the local control plane: the CRD and the Helm
+chart (rendered by helm built from its Go module) installed into the cluster,
+the operator running from the chart's Deployment as a pod of the process node
+(in-cluster config from its projected ServiceAccount token, so with exactly the
+chart's RBAC), and examples/llmdeployment-tiny.yaml served by real
+`kvpilot serve` pods."""
+from __future__ import annotations
+
+import re
+import subprocess
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "kvpilot"
+EXAMPLE = ROOT / "examples" / "llmdeployment-tiny.yaml"
+OPERATOR_NS = "kvpilot-system"
+RELEASE = "kvpilot"
+LLMD = "/apis/serving.kvpilot.dev/v1alpha1/namespaces/{ns}/llmdeployments"
+READY_TIMEOUT = 420
+
+
+# --- helpers -------------------------------------------------------------------
+def helm_binary() -> str:
+    proc = subprocess.run([str(ROOT / "e2e" / "build-helm.sh")], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"building helm failed:\n{proc.stderr[-2000:]}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def llmd(kube, ns: str, name: str = "tiny") -> dict | None:
+    return kube.get(LLMD.format(ns=ns) + f"/{name}", ok404=True)
+
+
+def condition(obj: dict | None, type_: str) -> dict:
+    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if c["type"] == type_:
+            return c
+    return {}
+
+
+def is_ready(kube, ns: str) -> dict | None:
+    obj = llmd(kube, ns)
+    c = condition(obj, "Ready")
+    if c.get("status") == "True" and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]:
+        return obj
+    return None
+
+
+def engine_pods(kube, ns: str, ready_only: bool = True) -> list[dict]:
+    pods = kube.get(f"/api/v1/namespaces/{ns}/pods",
+                    params={"labelSelector": "serving.kvpilot.dev/llmdeployment=tiny"})["items"]
+    pods = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    if ready_only:
+        pods = [p for p in pods if any(c["type"] == "Ready" and c["status"] == "True"
+                                       for c in p.get("status", {}).get("conditions", []))]
+    return pods
+
+
+def pod_identity(p: dict) -> tuple:
+    cs = p["status"]["containerStatuses"][0]
+    return p["metadata"]["uid"], p["status"]["startTime"], cs["restartCount"]
+
+
+def gauge(pod: dict, name: str) -> float | None:
+    text = httpx.get(f"http://{pod['status']['podIP']}:8000/metrics", timeout=10).text
+    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def tuning(kube, ns: str) -> str:
+    cm = kube.get(f"/api/v1/namespaces/{ns}/configmaps/tiny-tuning", ok404=True)
+    return (cm or {}).get("data", {}).get("tuning.json", "")
+
+
+def operator_ready(kube) -> list[dict]:
+    pods = kube.get(f"/api/v1/namespaces/{OPERATOR_NS}/pods",
+                    params={"labelSelector": "app.kubernetes.io/name=kvpilot-operator"})["items"]
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp") and any(
+        c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]
+
+
+def diagnose(cluster, ns: str) -> str:
+    r = cluster.kubectl("get", "llmd,deploy,pods,events", "-n", ns, "-o", "wide", check=False)
+    o = cluster.kubectl("logs", "-n", OPERATOR_NS, "deploy/kvpilot", "--tail=40", check=False)
+    return f"{r.stdout}{r.stderr}\n--- operator ---\n{o.stdout}{o.stderr}"
+
+
+# --- fixtures --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def operator(cluster, wait_for):
+    """The chart installed (CRD, RBAC, ServiceAccount, operator Deployment); the operator pod Ready."""
+    helm = helm_binary()
+    out = subprocess.run([helm, "template", RELEASE, str(CHART), "-n", OPERATOR_NS, "--include-crds",
+                          "--set", "resyncInterval=10", "--set", "logLevel=INFO"],
+                         capture_output=True, text=True, check=True).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
+    rest = [d for d in docs if d["kind"] != "CustomResourceDefinition"]
+    cluster.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(crds))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                    "crd/llmdeployments.serving.kvpilot.dev")
+    cluster.kubectl("create", "namespace", OPERATOR_NS, check=False)
+    cluster.apply(rest)
+    kube = cluster.kube()
+    try:
+        wait_for(lambda: operator_ready(kube), timeout=180, what="the operator pod to be Ready")
+    except TimeoutError:
+        raise AssertionError(diagnose(cluster, OPERATOR_NS)) from None
+    yield kube
+    cluster.kubectl("delete", "namespace", OPERATOR_NS, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def demo(cluster, operator, wait_for):
+    ns = f"demo-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", ns)
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"]["namespace"] = ns
+    cluster.apply(doc)
+    try:
+        wait_for(lambda: is_ready(operator, ns) and engine_pods(operator, ns), timeout=READY_TIMEOUT,
+                 interval=1, what="the tiny LLMDeployment to be Ready")
+    except TimeoutError:
+        raise AssertionError(diagnose(cluster, ns)) from None
+    yield ns
+    cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def patch_spec(cluster, ns: str, patch: dict) -> None:
+    cluster.kubectl("patch", "llmd", "tiny", "-n", ns, "--type=merge", "-p", yaml.safe_dump({"spec": patch}))
+
+
+# --- tests (in order, on one deployment) -------------------------------------------
+def test_example_serves_completions(cluster, operator, demo):
+    obj = llmd(operator, demo)
+    assert obj["status"]["endpoint"] == f"http://tiny.{demo}.svc:8000"
+    assert obj["status"]["effective"]["maxNumSeqs"] == 16
+    (pod,) = engine_pods(operator, demo)
+    r = httpx.post(f"http://{pod['status']['podIP']}:8000/v1/completions",
+                   json={"model": "tiny", "prompt": "Hello", "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] is not None
+    svc = operator.get(f"/api/v1/namespaces/{demo}/services/tiny")
+    assert svc["spec"]["selector"]["serving.kvpilot.dev/llmdeployment"] == "tiny"
+
+
+def test_operator_metrics(operator, demo):
+    (op,) = operator_ready(operator)
+    text = httpx.get(f"http://{op['status']['podIP']}:8080/metrics", timeout=10).text
+    assert "kvpilot_operator_reconciles_total{" in text
+    assert "kvpilot_operator_reconcile_duration_seconds_bucket" in text
+
+
+def test_prometheus_scrapes_the_engine_pods(cluster, operator, demo, wait_for):
+    """The pod template's scrape annotations are what Prometheus (and the autotuner) discover."""
+    if not cluster.prometheus_url:
+        pytest.skip("the local cluster runs without Prometheus")
+    query = f'kvpilot:max_num_seqs{{namespace="{demo}"}}'
+
+    def scraped():
+        r = httpx.get(f"{cluster.prometheus_url}/api/v1/query", params={"query": query}, timeout=10).json()
+        return r["data"]["result"]
+    (series,) = wait_for(scraped, timeout=60, interval=1, what="Prometheus to scrape the engine pod")
+    assert float(series["value"][1]) == 16 and series["metric"]["pod"].startswith("tiny-")
+
+
+def test_kubectl_get_llmd_columns(cluster, operator, demo):
+    out = cluster.kubectl("get", "llmd", "-n", demo).stdout.splitlines()
+    assert out[0].split() == ["NAME", "READY", "REPLICAS", "MAXNUMSEQS", "MAXMODELLEN", "KV%", "MODE", "AGE"]
+    row = out[1].split()
+    assert row[:5] == ["tiny", "True", "1", "16", "512"] and "Recommend" in row[5:7]  # KV% empty: no Prometheus data
+
+
+def test_live_change_keeps_pods(cluster, operator, demo, wait_for):
+    (pod,) = engine_pods(operator, demo)
+    before = pod_identity(pod)
+    template = operator.get(f"/apis/apps/v1/namespaces/{demo}/deployments/tiny")["spec"]["template"]
+    patch_spec(cluster, demo, {"engine": {"maxNumSeqs": 24, "maxModelLen": 1024}})
+    wait_for(lambda: '"max_num_seqs": 24' in tuning(operator, demo), timeout=60, what="the ConfigMap")
+    wait_for(lambda: gauge(pod, "kvpilot:max_num_seqs") == 24, timeout=90, what="the pod's gauge")
+    wait_for(lambda: gauge(pod, "kvpilot:max_model_len") == 1024, timeout=30, what="max_model_len gauge")
+    wait_for(lambda: is_ready(operator, demo), timeout=60, what="Ready again")
+    (after,) = engine_pods(operator, demo)
+    assert pod_identity(after) == before
+    assert operator.get(f"/apis/apps/v1/namespaces/{demo}/deployments/tiny")["spec"]["template"] == template
+    assert llmd(operator, demo)["spec"]["engine"]["maxNumSeqs"] == 24
+
+
+def test_non_live_change_rolls_pods(cluster, operator, demo, wait_for):
+    (old,) = engine_pods(operator, demo)
+    patch_spec(cluster, demo, {"engine": {"blockSize": 32}})
+
+    def rolled():
+        pods = engine_pods(operator, demo)
+        return is_ready(operator, demo) and len(pods) == 1 and pods[0]["metadata"]["uid"] != old["metadata"]["uid"]
+    try:
+        wait_for(rolled, timeout=READY_TIMEOUT, interval=1, what="the pods to roll")
+    except TimeoutError:
+        raise AssertionError(diagnose(cluster, demo)) from None
+    (new,) = engine_pods(operator, demo)
+    args = new["spec"]["containers"][0]["args"]
+    assert args[args.index("--block-size") + 1] == "32"
+    assert gauge(new, "kvpilot:max_num_seqs") == 24  # the tuned values survive the roll
+
+
+def test_deleted_deployment_is_recreated(cluster, operator, demo, wait_for):
+    uid = operator.get(f"/apis/apps/v1/namespaces/{demo}/deployments/tiny")["metadata"]["uid"]
+    cluster.kubectl("delete", "deployment", "tiny", "-n", demo, "--wait=false")
+
+    def recreated():
+        d = operator.get(f"/apis/apps/v1/namespaces/{demo}/deployments/tiny", ok404=True)
+        return d is not None and d["metadata"]["uid"] != uid and is_ready(operator, demo) \
+            and engine_pods(operator, demo)
+    wait_for(recreated, timeout=READY_TIMEOUT, interval=1, what="the Deployment to come back")
+
+
+def test_invalid_specs_are_refused_with_field_messages(cluster, operator, demo):
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"].update(name="bad", namespace=demo)
+    cases = [({"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, "minReplicas"),
+             ({"engine": {"maxNumSeqs": 1000}}, "maxNumSeqs"),
+             ({"autotune": {"mode": "Sometimes"}}, "spec.autotune.mode"),
+             ({"engine": {"maxNumSeqs": 0}}, "spec.engine.maxNumSeqs")]
+    for change, field in cases:
+        bad = yaml.safe_load(yaml.safe_dump(doc))
+        for k, v in change.items():
+            bad["spec"][k] = {**bad["spec"].get(k, {}), **v}
+        r = cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(bad), check=False)
+        assert r.returncode != 0 and field in r.stderr, (change, r.stderr)
+    assert llmd(operator, demo, "bad") is None
+
+
+def test_operator_restart_converges(cluster, operator, demo, wait_for):
+    (op,) = operator_ready(operator)
+    cluster.kubectl("delete", "pod", op["metadata"]["name"], "-n", OPERATOR_NS, "--wait=false")
+    patch_spec(cluster, demo, {"engine": {"maxNumSeqs": 20}})  # while the operator is away
+    wait_for(lambda: [p for p in operator_ready(operator) if p["metadata"]["uid"] != op["metadata"]["uid"]],
+             timeout=180, what="a new operator pod")
+    wait_for(lambda: '"max_num_seqs": 20' in tuning(operator, demo), timeout=90, what="the ConfigMap")
+    obj = wait_for(lambda: is_ready(operator, demo), timeout=120, what="Ready after the restart")
+    assert obj["status"]["effective"]["maxNumSeqs"] == 20
+    (pod,) = engine_pods(operator, demo)
+    wait_for(lambda: gauge(pod, "kvpilot:max_num_seqs") == 20, timeout=90, what="the pod's gauge")
+
+
+def test_deletion_cleans_up(cluster, operator, demo, wait_for):
+    cluster.kubectl("delete", "llmd", "tiny", "-n", demo, "--wait=false")
+
+    def gone():
+        paths = [f"/apis/apps/v1/namespaces/{demo}/deployments/tiny", f"/api/v1/namespaces/{demo}/services/tiny",
+                 f"/api/v1/namespaces/{demo}/configmaps/tiny-tuning"]
+        return all(operator.get(p, ok404=True) is None for p in paths) and llmd(operator, demo) is None \
+            and not engine_pods(operator, demo, ready_only=False)
+    wait_for(gone, timeout=180, interval=1, what="owned objects to be garbage-collected")

@@ -1,0 +1,99 @@
+"""The small apply layer over the kubernetes client: server-side apply under one
+field manager (force), reads and deletes that treat 404 as "absent"."""
+from __future__ import annotations
+
+import json
+import logging
+
+from .objects import FIELD_MANAGER
+from .spec import GROUP, PLURAL, VERSION
+
+log = logging.getLogger(__name__)
+
+_COLLECTIONS = {
+    ("v1", "ConfigMap"): "/api/v1/namespaces/{ns}/configmaps",
+    ("v1", "Service"): "/api/v1/namespaces/{ns}/services",
+    ("v1", "Secret"): "/api/v1/namespaces/{ns}/secrets",
+    ("v1", "PersistentVolumeClaim"): "/api/v1/namespaces/{ns}/persistentvolumeclaims",
+    ("apps/v1", "Deployment"): "/apis/apps/v1/namespaces/{ns}/deployments",
+    ("policy/v1", "PodDisruptionBudget"): "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
+    (f"{GROUP}/{VERSION}", "LLMDeployment"): f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/{PLURAL}",
+}
+
+
+class Conflict(Exception):
+    """A 404/409 while applying (namespace going away, object being deleted):
+    retried on the next pass."""
+
+
+def object_path(api_version: str, kind: str, namespace: str, name: str) -> str:
+    return _COLLECTIONS[(api_version, kind)].format(ns=namespace) + f"/{name}"
+
+
+class Kube:
+    """What the reconcile needs from the API server, over one ApiClient."""
+
+    def __init__(self, api_client=None):
+        if api_client is None:
+            from kubernetes import client
+            api_client = client.ApiClient()
+        self.api = api_client
+
+    def _call(self, method: str, path: str, body=None, query=None, content_type="application/json"):
+        """One request; ApiException for an error status, the decoded JSON otherwise."""
+        from kubernetes.client.exceptions import ApiException
+        headers = {"Content-Type": content_type, "Accept": "application/json"}
+        if not hasattr(self.api, "param_serialize"):  # kubernetes < 35: the older generator
+            return self.api.call_api(path, method, query_params=query or [], body=body, header_params=headers,
+                                     response_type="object", auth_settings=["BearerToken"],
+                                     _return_http_data_only=True)
+        serialized = self.api.param_serialize(
+            method, path, query_params=query or [], body=body, auth_settings=["BearerToken"],
+            header_params=headers)
+        resp = self.api.call_api(*serialized)
+        resp.read()
+        if resp.status >= 400:
+            raise ApiException(status=resp.status, reason=resp.reason or "", body=resp.data)
+        return json.loads(resp.data) if resp.data else {}
+
+    def apply(self, manifest: dict, subresource: str = "") -> dict:
+        meta = manifest["metadata"]
+        path = object_path(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
+        from kubernetes.client.exceptions import ApiException
+        try:
+            # JSON is YAML: the body goes as a string, whatever the client's YAML support.
+            return self._call("PATCH", path + (f"/{subresource}" if subresource else ""), json.dumps(manifest),
+                              [("fieldManager", FIELD_MANAGER), ("force", "true")],
+                              "application/apply-patch+yaml")
+        except ApiException as e:
+            if e.status in (404, 409):
+                raise Conflict(f"apply {manifest['kind']} {meta['namespace']}/{meta['name']}: "
+                               f"{e.status} {e.reason}") from e
+            raise
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+        from kubernetes.client.exceptions import ApiException
+        try:
+            return self._call("GET", object_path(api_version, kind, namespace, name))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def list_llmdeployments(self, namespace: str | None = None) -> list[dict]:
+        base = f"/apis/{GROUP}/{VERSION}" + (f"/namespaces/{namespace}" if namespace else "")
+        items = self._call("GET", f"{base}/{PLURAL}").get("items") or []
+        for it in items:  # list items carry no apiVersion/kind
+            it.setdefault("apiVersion", f"{GROUP}/{VERSION}")
+            it.setdefault("kind", "LLMDeployment")
+        return items
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        from kubernetes.client.exceptions import ApiException
+        try:
+            self._call("DELETE", object_path(api_version, kind, namespace, name))
+            return True
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise

@@ -1,0 +1,159 @@
+"""The pure builder of the engine Deployment. Live settings (max_num_seqs,
+max_model_len) are not in the pod template: they reach the pods through the
+tuning ConfigMap, so changing them never rolls pods. Everything else is in the
+template and its hash annotation, so changing it does."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+from .objects import (HTTP_PORT, TUNING_DIR, TUNING_FILE, Owner, metadata, selector_labels,
+                      tuning_configmap_name)
+from .spec import LLMDeploymentSpec
+
+CONTAINER = "engine"
+HASH_ANNOTATION = "serving.kvpilot.dev/config-hash"
+MODELS_DIR = "/models"
+# Writable scratch for the read-only root (TMPDIR and HOME point here). Not /tmp: a
+# mount over /tmp would hide host paths under it on process-backed test nodes.
+SCRATCH_DIR = "/scratch"
+CACHE_DIR = "/var/cache/kvpilot"
+RUN_AS = 65532
+SECCOMP = {"type": "RuntimeDefault"}
+
+
+def model_source(source: str) -> tuple[str, dict | None, dict | None]:
+    """(--model argument, volume, volumeMount) for a spec.model.source."""
+    if source.startswith("pvc://"):
+        claim, _, path = source[len("pvc://"):].partition("/")
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        mount = {"name": "model", "mountPath": MODELS_DIR, "readOnly": True}
+        return (f"{MODELS_DIR}/{path.strip('/')}" if path.strip("/") else MODELS_DIR), volume, mount
+    if source.startswith("file://"):
+        return source[len("file://"):], None, None
+    return source, None, None
+
+
+def pvc_claim(spec: LLMDeploymentSpec) -> str | None:
+    src = spec.model.source
+    return src[len("pvc://"):].partition("/")[0] if src.startswith("pvc://") else None
+
+
+def engine_args(owner: Owner, spec: LLMDeploymentSpec, model_arg: str) -> list[str]:
+    e = spec.engine
+    args = ["--model", model_arg, "--served-model-name", spec.model.served_name or owner.name,
+            "--host", "$(POD_IP)", "--port", str(HTTP_PORT),
+            "--tuning-file", f"{TUNING_DIR}/{TUNING_FILE}",
+            # Start-up floor only: the tuning file (read before serving) sets the live
+            # values, so they stay out of the pod template and never roll pods.
+            "--max-model-len", str(spec.autotune.max_model_len.min),
+            "--dtype", e.dtype, "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+            "--block-size", str(e.block_size),
+            "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching"]
+    if e.kv_cache_memory is not None:
+        args += ["--kv-cache-memory", str(e.kv_cache_memory)]
+    elif e.gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
+    if e.api_key_secret_ref is not None:
+        args += ["--api-key", "$(KVPILOT_API_KEY)"]
+    return args + list(e.extra_args)
+
+
+def resources(spec: LLMDeploymentSpec) -> dict:
+    r = spec.resources
+    requests = {"cpu": str(r.cpu), "memory": str(r.memory)}
+    limits = {"memory": str(r.memory)}
+    if r.gpus:
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(r.gpus)
+    return {"requests": requests, "limits": limits}
+
+
+def rollout_strategy(spec: LLMDeploymentSpec) -> dict:
+    """GPU pods replace in place (no surge pod that would wait forever for a
+    GPU); CPU pods surge one so serving never drops (a surge that cannot be
+    scheduled stalls the rollout with old pods still serving, and
+    progressDeadlineSeconds turns that into Degraded)."""
+    if spec.resources.gpus > 0:
+        return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+
+
+def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
+            "failureThreshold": failures, "timeoutSeconds": timeout}
+
+
+def container_security_context() -> dict:
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
+            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": SECCOMP}
+
+
+def build_pod_template(owner: Owner, spec: LLMDeploymentSpec) -> dict:
+    model_arg, model_volume, model_mount = model_source(spec.model.source)
+    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           {"name": "HOME", "value": SCRATCH_DIR}, {"name": "TMPDIR", "value": SCRATCH_DIR},
+           {"name": "KVPILOT_CACHE_DIR", "value": CACHE_DIR}]
+    if spec.engine.api_key_secret_ref is not None:
+        ref = spec.engine.api_key_secret_ref
+        env.append({"name": "KVPILOT_API_KEY",
+                    "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    mounts = [{"name": "tuning", "mountPath": TUNING_DIR, "readOnly": True},
+              {"name": "tmp", "mountPath": SCRATCH_DIR},
+              {"name": "cache", "mountPath": CACHE_DIR}]
+    volumes = [{"name": "tuning", "configMap": {"name": tuning_configmap_name(owner)}},
+               {"name": "tmp", "emptyDir": {}},
+               {"name": "cache", "emptyDir": {}}]
+    if model_volume is not None:
+        mounts.append(model_mount)
+        volumes.append(model_volume)
+    if spec.resources.gpus > 0:  # NCCL and torch use shared memory
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    container = {
+        "name": CONTAINER, "image": spec.engine.image, "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": ["kvpilot", "serve"], "args": engine_args(owner, spec, model_arg),
+        "env": env, "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        # Model loads can be slow: up to 15 minutes before liveness applies.
+        "startupProbe": _probe("/health", 5, 180),
+        "readinessProbe": _probe("/health", 5, 3),
+        "livenessProbe": _probe("/health", 10, 6),
+        "resources": resources(spec), "securityContext": container_security_context(),
+        "volumeMounts": mounts,
+    }
+    sched = spec.scheduling
+    pod_spec: dict = {
+        "automountServiceAccountToken": False, "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
+                            "fsGroup": RUN_AS, "seccompProfile": SECCOMP},
+        "containers": [container], "volumes": volumes,
+    }
+    if sched.node_selector:
+        pod_spec["nodeSelector"] = dict(sched.node_selector)
+    if sched.tolerations:
+        pod_spec["tolerations"] = [t.dump() for t in sched.tolerations]
+    if sched.affinity:
+        pod_spec["affinity"] = sched.affinity
+    if sched.priority_class_name:
+        pod_spec["priorityClassName"] = sched.priority_class_name
+    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
+                   "prometheus.io/path": "/metrics"}
+    template = {"metadata": {"labels": metadata(owner, owner.name)["labels"], "annotations": annotations},
+                "spec": pod_spec}
+    annotations[HASH_ANNOTATION] = config_hash(template)
+    return template
+
+
+def config_hash(template: dict) -> str:
+    """Hash of the non-live settings as rendered into the pod template."""
+    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_deployment(owner: Owner, spec: LLMDeploymentSpec, replicas: int) -> dict:
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata(owner, owner.name),
+        "spec": {"replicas": replicas, "selector": {"matchLabels": selector_labels(owner)},
+                 "revisionHistoryLimit": 3, "progressDeadlineSeconds": 1200,
+                 "strategy": rollout_strategy(spec), "template": build_pod_template(owner, spec)},
+    }

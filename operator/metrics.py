@@ -1,0 +1,10 @@
+"""The operator's own Prometheus metrics (separate from the engine's)."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+RECONCILES = Counter("kvpilot_operator_reconciles_total", "Reconcile passes by trigger and result",
+                     ["trigger", "result"])
+ERRORS = Counter("kvpilot_operator_reconcile_errors_total", "Failed reconcile passes by reason", ["reason"])
+DURATION = Histogram("kvpilot_operator_reconcile_duration_seconds", "Duration of reconcile passes",
+                     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))

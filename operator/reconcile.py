@@ -1,0 +1,157 @@
+"""One level-based reconcile pass of an LLMDeployment, free of kopf: parse and
+check the spec, look for missing prerequisites, let the autotuner (if any)
+propose settings, apply the owned objects, and write the status."""
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from pydantic import ValidationError
+
+from .apply import Kube
+from .conditions import Problem, Rollout, status_from
+from .deployment import build_deployment, pvc_claim
+from .objects import (Owner, build_configmap, build_pdb, build_service, effective_settings, endpoint_url,
+                      selector_string)
+from .spec import GROUP, KIND, VERSION, InvalidSpec, LLMDeploymentSpec, validate_spec
+from .status import AutotuneStatus, Effective, LLMDeploymentStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AutotuneContext:
+    """What the autotuner's hook is given on each pass (mode Recommend or Auto)."""
+    owner: Owner
+    spec: LLMDeploymentSpec
+    status: LLMDeploymentStatus  # the previous status (effective, autotune report, conditions)
+    effective: Effective  # the settings running now
+
+
+@dataclass
+class AutotuneOutcome:
+    """The hook's answer: its report (an AutotuneStatus, or the camelCase dict of
+    autotune.report.build_report(...).dump()), and the settings it wants (Auto
+    mode applies them within the spec's bounds; Recommend only reports them)."""
+    report: AutotuneStatus | dict
+    proposed: Optional[Effective] = None
+
+    def status(self) -> AutotuneStatus:
+        r = self.report
+        return r if isinstance(r, AutotuneStatus) else AutotuneStatus.model_validate(r)
+
+
+AutotuneHook = Callable[[AutotuneContext], AutotuneOutcome]
+AUTOTUNE_HOOK = ("kvpilot.operator.autotune.hook", "autotune_step")
+
+
+def load_autotune_hook() -> AutotuneHook | None:
+    """The autotuner plugs in as `kvpilot.operator.autotune.hook.autotune_step`."""
+    module, attr = AUTOTUNE_HOOK
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        return None
+
+
+@dataclass
+class Result:
+    status: LLMDeploymentStatus
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ready(self) -> bool:
+        c = self.status.condition("Ready")
+        return c is not None and c.status == "True"
+
+
+def parse_spec(body) -> LLMDeploymentSpec:
+    try:
+        spec = LLMDeploymentSpec.model_validate(dict(body.get("spec") or {}))
+    except ValidationError as e:
+        errs = "; ".join(f"spec.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
+        raise InvalidSpec(errs) from None
+    validate_spec(spec)
+    return spec
+
+
+def find_problems(kube: Kube, namespace: str, spec: LLMDeploymentSpec) -> list[Problem]:
+    """Prerequisites the API server cannot check: the model's PVC, the API key's Secret."""
+    problems = []
+    claim = pvc_claim(spec)
+    if claim and kube.get("v1", "PersistentVolumeClaim", namespace, claim) is None:
+        problems.append(Problem("PVCNotFound", f"PersistentVolumeClaim {claim} (spec.model.source) does not exist"))
+    ref = spec.engine.api_key_secret_ref
+    if ref is not None:
+        secret = kube.get("v1", "Secret", namespace, ref.name)
+        if secret is None:
+            problems.append(Problem("SecretNotFound",
+                                    f"Secret {ref.name} (spec.engine.apiKeySecretRef) does not exist"))
+        elif ref.key not in (secret.get("data") or {}) and ref.key not in (secret.get("stringData") or {}):
+            problems.append(Problem("SecretKeyNotFound",
+                                    f"Secret {ref.name} has no key {ref.key} (spec.engine.apiKeySecretRef.key)"))
+    return problems
+
+
+def run_autotune(hook: AutotuneHook | None, owner: Owner, spec: LLMDeploymentSpec,
+                 prev: LLMDeploymentStatus) -> tuple[Effective | None, AutotuneStatus | None]:
+    """(tuned settings to run, report). Off: none. A failing hook keeps the last values."""
+    if spec.autotune.mode == "Off":
+        return None, None
+    current = effective_settings(spec, prev.effective)
+    if hook is None:
+        return prev.effective, prev.autotune or AutotuneStatus(diagnosis="NoData", message="autotuner not installed")
+    try:
+        out = hook(AutotuneContext(owner, spec, prev, current))
+        report = out.status()
+    except Exception as e:  # the autotuner must never stop the reconcile
+        log.exception("autotune hook failed for %s/%s", owner.namespace, owner.name)
+        report = (prev.autotune or AutotuneStatus()).model_copy(update={"message": f"autotuner error: {e}"})
+        return prev.effective, report
+    if spec.autotune.mode == "Auto":  # a partial proposal (or none: hold) keeps the rest running
+        return current.model_copy(update=out.proposed.model_dump(exclude_none=True)) if out.proposed \
+            else current, report
+    return None, report.model_copy(update={"recommendation": out.proposed}) if out.proposed else report
+
+
+def reconcile(kube: Kube, body, hook: AutotuneHook | None = None) -> Result:
+    """Raises InvalidSpec for a spec that cannot work; apply.Conflict to retry later."""
+    owner = Owner.from_body(body)
+    generation = body["metadata"].get("generation")
+    prev = LLMDeploymentStatus.model_validate(dict(body.get("status") or {}))
+    spec = parse_spec(body)
+    problems = find_problems(kube, owner.namespace, spec)
+    tuned, report = run_autotune(hook, owner, spec, prev)
+    effective = effective_settings(spec, tuned)
+    kube.apply(build_configmap(owner, effective))
+    deployment = kube.apply(build_deployment(owner, spec, effective.replicas))
+    kube.apply(build_service(owner, spec))
+    pdb = build_pdb(owner, effective.replicas)
+    if pdb is not None:
+        kube.apply(pdb)
+    else:
+        kube.delete("policy/v1", "PodDisruptionBudget", owner.namespace, owner.name)
+    snapshot = report.snapshot if report is not None else None
+    kv = None if snapshot is None or snapshot.kv_usage_mean is None else round(100 * snapshot.kv_usage_mean)
+    status = status_from(prev, Rollout.from_deployment(deployment, effective.replicas), problems, generation,
+                         effective=effective, autotune=report, endpoint=endpoint_url(owner, spec),
+                         selector=selector_string(owner), kv_cache_usage_percent=kv)
+    write_status(kube, owner, status)
+    return Result(status, problems)
+
+
+def write_status(kube: Kube, owner: Owner, status: LLMDeploymentStatus) -> None:
+    kube.apply({"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+                "metadata": {"name": owner.name, "namespace": owner.namespace},
+                "status": status.dump()}, subresource="status")
+
+
+def write_invalid(kube: Kube, body, message: str) -> None:
+    """Degraded (InvalidSpec) for a spec the API server admitted but that cannot work."""
+    owner = Owner.from_body(body)
+    prev = LLMDeploymentStatus.model_validate(dict(body.get("status") or {}))
+    status = status_from(prev, Rollout.from_deployment(None, 0), [Problem("InvalidSpec", message)],
+                         body["metadata"].get("generation"))
+    write_status(kube, owner, status)

@@ -1,0 +1,192 @@
+"""The LLMDeployment spec as pydantic models: the single source of the CRD
+schema (see crd.py), of its defaults and of the operator's own parsing.
+
+Field names are the API (camelCase through aliases). Cross-field rules are
+CEL expressions attached with `json_schema_extra`; the API server evaluates
+them, and `validate_spec` repeats them for objects read back from it."""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "serving.kvpilot.dev"
+VERSION = "v1alpha1"
+KIND = "LLMDeployment"
+PLURAL = "llmdeployments"
+SINGULAR = "llmdeployment"
+SHORT_NAMES = ["llmd"]
+PROJECT_VERSION = "0.1.0"
+DEFAULT_IMAGE = f"kvpilot/engine:{PROJECT_VERSION}"
+
+QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+DURATION_PATTERN = r"^([0-9]+(ms|s|m|h))+$"
+MODEL_SOURCE_PATTERN = r"^(builtin:[a-z0-9-]+|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|file:///.+|/.+)$"
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+Quantity = Union[int, str]  # rendered as int-or-string with the Kubernetes quantity pattern
+
+
+def rule(expr: str, message: str, field_path: str | None = None) -> dict:
+    out = {"rule": expr, "message": message}
+    if field_path:
+        out["fieldPath"] = field_path
+    return out
+
+
+class Model(BaseModel):
+    # camelCase names on the wire; unknown fields ignored (the API server prunes them).
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    def dump(self) -> dict:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+class ModelSource(Model):
+    source: str = Field(
+        pattern=MODEL_SOURCE_PATTERN, max_length=1024,
+        description="builtin:tiny, pvc://CLAIM/PATH (mounted read-only at /models), "
+                    "file:///PATH or /PATH (a path inside the image).")
+    served_name: Optional[str] = Field(
+        default=None, max_length=253,
+        description="The model name clients send; defaults to the LLMDeployment's name.")
+
+
+class SecretKeyRef(Model):
+    name: str = Field(pattern=DNS_LABEL_PATTERN, max_length=253)
+    key: str = Field(min_length=1, max_length=253)
+
+
+class EngineSpec(Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        rule("!(has(self.kvCacheMemory) && has(self.gpuMemoryUtilization))",
+             "engine.kvCacheMemory and engine.gpuMemoryUtilization are mutually exclusive"),
+    ]})
+    image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=512)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_num_seqs: int = Field(default=64, ge=1, le=4096,
+                              description="Initial max_num_seqs (live-tunable).")
+    max_model_len: int = Field(default=2048, ge=16, le=1048576,
+                               description="Initial max_model_len (live-tunable).")
+    max_num_batched_tokens: int = Field(default=2048, ge=16, le=1048576)
+    block_size: Literal[8, 16, 32, 64] = 16
+    kv_cache_memory: Optional[Quantity] = Field(
+        default=None, description="KV cache bytes (a quantity such as 64Mi); CPU pods default to 1Gi.")
+    gpu_memory_utilization: Optional[float] = Field(default=None, gt=0, le=1)
+    enable_prefix_caching: bool = True
+    api_key_secret_ref: Optional[SecretKeyRef] = Field(
+        default=None, description="Secret key holding the API key clients must send.")
+    extra_args: list[str] = Field(default_factory=list, max_length=64,
+                                  description="More `kvpilot serve` flags (non-live).")
+
+
+class Resources(Model):
+    gpus: int = Field(default=0, ge=0, le=16, description="nvidia.com/gpu per replica.")
+    cpu: Quantity = "1"
+    memory: Quantity = "2Gi"
+
+
+class Autoscaling(Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        rule("self.minReplicas <= self.maxReplicas",
+             "autoscaling.minReplicas must be <= autoscaling.maxReplicas", ".minReplicas"),
+    ]})
+    min_replicas: int = Field(default=1, ge=0, le=1000)
+    max_replicas: int = Field(default=4, ge=1, le=1000)
+
+
+class IntRange(Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        rule("self.min <= self.max", "min must be <= max", ".min"),
+    ]})
+    min: int = Field(ge=1, le=1048576)
+    max: int = Field(ge=1, le=1048576)
+
+
+class PrometheusSpec(Model):
+    url: str = Field(default="http://prometheus.monitoring.svc:9090", pattern=r"^https?://.+",
+                     max_length=1024)
+
+
+class AutotuneSpec(Model):
+    mode: Literal["Off", "Recommend", "Auto"] = Field(
+        default="Off", description="Off: spec values; Recommend: report only; Auto: apply within bounds.")
+    interval: str = Field(default="30s", pattern=DURATION_PATTERN)
+    window: str = Field(default="5m", pattern=DURATION_PATTERN,
+                        description="Metrics window the diagnosis reads.")
+    cooldown: str = Field(default="2m", pattern=DURATION_PATTERN,
+                          description="Minimum time between two changes.")
+    prometheus: PrometheusSpec = Field(default_factory=PrometheusSpec)
+    max_num_seqs: IntRange = Field(default_factory=lambda: IntRange(min=1, max=1024))
+    max_model_len: IntRange = Field(default_factory=lambda: IntRange(min=128, max=32768))
+
+
+class Toleration(Model):
+    key: Optional[str] = None
+    operator: Optional[Literal["Exists", "Equal"]] = None
+    value: Optional[str] = None
+    effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = None
+    toleration_seconds: Optional[int] = None
+
+
+class Scheduling(Model):
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    affinity: Optional[dict] = Field(default=None, description="A core/v1 Affinity, passed through.")
+    priority_class_name: Optional[str] = None
+
+
+class ServiceSpec(Model):
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    port: int = Field(default=8000, ge=1, le=65535)
+
+
+class LLMDeploymentSpec(Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        rule("self.autotune.mode == 'Off' || (self.engine.maxNumSeqs >= self.autotune.maxNumSeqs.min"
+             " && self.engine.maxNumSeqs <= self.autotune.maxNumSeqs.max)",
+             "engine.maxNumSeqs must lie within autotune.maxNumSeqs [min, max]", ".engine.maxNumSeqs"),
+        rule("self.autotune.mode == 'Off' || (self.engine.maxModelLen >= self.autotune.maxModelLen.min"
+             " && self.engine.maxModelLen <= self.autotune.maxModelLen.max)",
+             "engine.maxModelLen must lie within autotune.maxModelLen [min, max]", ".engine.maxModelLen"),
+        rule("self.engine.maxNumBatchedTokens >= self.engine.maxNumSeqs",
+             "engine.maxNumBatchedTokens must be >= engine.maxNumSeqs", ".engine.maxNumBatchedTokens"),
+        rule("self.resources.gpus > 0 || !has(self.engine.gpuMemoryUtilization)",
+             "engine.gpuMemoryUtilization needs resources.gpus > 0", ".engine.gpuMemoryUtilization"),
+    ]})
+    model: ModelSource
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    resources: Resources = Field(default_factory=Resources)
+    replicas: int = Field(default=1, ge=0, le=1000)
+    autoscaling: Autoscaling = Field(default_factory=Autoscaling)
+    autotune: AutotuneSpec = Field(default_factory=AutotuneSpec)
+    scheduling: Scheduling = Field(default_factory=Scheduling)
+    service: ServiceSpec = Field(default_factory=ServiceSpec)
+
+
+class InvalidSpec(ValueError):
+    """A spec the operator cannot use (PermanentError in the handlers)."""
+
+
+def validate_spec(spec: LLMDeploymentSpec) -> None:
+    """The CEL rules again, for objects the API server admitted before a rule existed."""
+    a, e = spec.autoscaling, spec.engine
+    if a.min_replicas > a.max_replicas:
+        raise InvalidSpec("autoscaling.minReplicas must be <= autoscaling.maxReplicas")
+    for name, r in (("maxNumSeqs", spec.autotune.max_num_seqs), ("maxModelLen", spec.autotune.max_model_len)):
+        if r.min > r.max:
+            raise InvalidSpec(f"autotune.{name}.min must be <= autotune.{name}.max")
+    if spec.autotune.mode != "Off":
+        for name, value, r in (("maxNumSeqs", e.max_num_seqs, spec.autotune.max_num_seqs),
+                               ("maxModelLen", e.max_model_len, spec.autotune.max_model_len)):
+            if not r.min <= value <= r.max:
+                raise InvalidSpec(f"engine.{name} must lie within autotune.{name} [min, max]")
+    if e.kv_cache_memory is not None and e.gpu_memory_utilization is not None:
+        raise InvalidSpec("engine.kvCacheMemory and engine.gpuMemoryUtilization are mutually exclusive")
+    if e.max_num_batched_tokens < e.max_num_seqs:
+        raise InvalidSpec("engine.maxNumBatchedTokens must be >= engine.maxNumSeqs")
+    if e.gpu_memory_utilization is not None and spec.resources.gpus == 0:
+        raise InvalidSpec("engine.gpuMemoryUtilization needs resources.gpus > 0")

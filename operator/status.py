@@ -1,0 +1,111 @@
+"""The LLMDeployment status as pydantic models. The operator writes it
+explicitly (never kopf's handler-keyed status). `autotune` is the autotuner's
+report: typed where the shape is settled, open (`extra="allow"`, rendered with
+x-kubernetes-preserve-unknown-fields) where the autotuner may add figures."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import ConfigDict, Field
+
+from .spec import Model
+
+ConditionType = Literal["Ready", "Progressing", "Degraded"]
+# PreemptionBound | SchedulerBound | KVCacheBound | LengthBound | HardwareBound | Healthy |
+# Idle | NoData. A plain string in the schema: a new diagnosis from the autotuner must never
+# make the API server refuse the whole status write.
+Diagnosis = str
+
+
+class Condition(Model):
+    type: str = Field(max_length=316)
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(default="", max_length=1024)
+    message: str = Field(default="", max_length=32768)
+    observed_generation: Optional[int] = Field(default=None, ge=0)
+    last_transition_time: Optional[str] = Field(default=None, json_schema_extra={"format": "date-time"})
+
+
+class Effective(Model):
+    """The settings in effect (the spec's, or the autotuner's within bounds)."""
+    max_num_seqs: Optional[int] = None
+    max_model_len: Optional[int] = None
+    replicas: Optional[int] = None
+
+
+class Decision(Model):
+    """One autotuner decision (kvpilot.operator.autotune.report.DecisionStatus)."""
+    time: Optional[str] = Field(default=None, json_schema_extra={"format": "date-time"})
+    diagnosis: Optional[Diagnosis] = None
+    action: Optional[str] = Field(default=None, description="change | revert | hold")
+    change: dict[str, list[int]] = Field(
+        default_factory=dict, description="setting -> [old, new], e.g. {maxNumSeqs: [64, 24]}")
+    reason: str = ""
+    applied: Optional[bool] = Field(default=None, description="False in Recommend mode.")
+    target: Optional[str] = Field(default=None, description="The signal the change should improve.")
+    baseline: Optional[float] = None
+    verified: Optional[bool] = None
+
+
+class Capacity(Model):
+    """The capacity plan (KV formula run backwards); open for more figures."""
+    model_config = ConfigDict(extra="allow")
+    kv_cache_bytes: Optional[int] = None
+    bytes_per_token: Optional[int] = None
+    seq_len: Optional[int] = None
+    bytes_per_sequence: Optional[int] = None
+    max_concurrent_seqs: Optional[int] = None
+    max_num_seqs: Optional[int] = None
+    bound: Optional[str] = None
+    summary: Optional[str] = None
+
+
+class Snapshot(Model):
+    """The engine signals the last diagnosis read (over autotune.window); open for more."""
+    model_config = ConfigDict(extra="allow")
+    time: Optional[str] = Field(default=None, json_schema_extra={"format": "date-time"})
+    window_seconds: Optional[float] = None
+    kv_usage_mean: Optional[float] = Field(default=None, description="0..1, mean over pods.")
+    kv_usage_max: Optional[float] = None
+    preemptions_per_second: Optional[float] = None
+    queue_time_p95_seconds: Optional[float] = None
+    ttft_p95_seconds: Optional[float] = None
+    num_waiting: Optional[float] = None
+    num_running: Optional[float] = None
+    request_rate_per_second: Optional[float] = None
+    request_len_p99: Optional[float] = None
+    prefix_hit_rate: Optional[float] = None
+    length_refusals_per_second: Optional[float] = None
+    missing: list[str] = Field(default_factory=list)
+    stale: list[str] = Field(default_factory=list)
+
+
+class AutotuneStatus(Model):
+    """The autotuner's report (kvpilot.operator.autotune.report.AutotuneStatus) plus
+    the operator's own notes (message, recommendation)."""
+    diagnosis: Optional[Diagnosis] = Field(
+        default=None, description="PreemptionBound, SchedulerBound, KVCacheBound, LengthBound, "
+                                  "HardwareBound, Healthy, Idle or NoData.")
+    message: Optional[str] = None
+    recommendation: Optional[Effective] = Field(default=None, description="What Recommend mode would apply.")
+    last_decision: Optional[Decision] = None
+    history: list[Decision] = Field(default_factory=list, max_length=100)
+    recent_diagnoses: list[Diagnosis] = Field(default_factory=list, max_length=100)
+    capacity: Optional[Capacity] = None
+    snapshot: Optional[Snapshot] = None
+
+
+class LLMDeploymentStatus(Model):
+    observed_generation: Optional[int] = None
+    conditions: list[Condition] = Field(default_factory=list)
+    replicas: int = 0
+    ready_replicas: int = 0
+    updated_replicas: int = 0
+    selector: Optional[str] = Field(default=None, description="Label selector of the pods (scale subresource).")
+    endpoint: Optional[str] = None
+    effective: Optional[Effective] = None
+    kv_cache_usage_percent: Optional[int] = Field(default=None, ge=0, le=100)
+    autotune: Optional[AutotuneStatus] = None
+
+    def condition(self, type_: str) -> Optional[Condition]:
+        return next((c for c in self.conditions if c.type == type_), None)

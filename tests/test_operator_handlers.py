@@ -1,0 +1,67 @@
+"""The kopf handlers' error mapping, with a fake API (no cluster)."""
+from __future__ import annotations
+
+import pytest
+
+kopf = pytest.importorskip("kopf")
+
+from kvpilot.operator import handlers  # noqa: E402
+
+
+class FakeKube:
+    def __init__(self, ready: bool):
+        self.ready, self.applied = ready, []
+
+    def apply(self, manifest, subresource=""):
+        self.applied.append((manifest, subresource))
+        if manifest["kind"] == "Deployment":
+            n = 1 if self.ready else 0
+            return {**manifest, "status": {"replicas": 1, "readyReplicas": n, "updatedReplicas": 1}}
+        return manifest
+
+    def get(self, *a):
+        return None
+
+    def delete(self, *a):
+        return False
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    def make(ready: bool) -> FakeKube:
+        kube = FakeKube(ready)
+        monkeypatch.setattr(handlers, "_state", {"kube": kube, "hook": None})
+        monkeypatch.setattr(kopf, "warn", lambda *a, **k: None)
+        return kube
+    return make
+
+
+def body(spec):
+    return {"apiVersion": "serving.kvpilot.dev/v1alpha1", "kind": "LLMDeployment",
+            "metadata": {"name": "tiny", "namespace": "demo", "uid": "u", "generation": 1}, "spec": spec}
+
+
+def test_not_ready_is_a_temporary_error(fake):
+    fake(ready=False)
+    with pytest.raises(kopf.TemporaryError):
+        handlers.on_change(body({"model": {"source": "builtin:tiny"}}))
+    fake(ready=True)
+    handlers.on_change(body({"model": {"source": "builtin:tiny"}}))  # ready: returns
+
+
+def test_invalid_spec_is_permanent_and_sets_degraded(fake):
+    kube = fake(ready=True)
+    with pytest.raises(kopf.PermanentError, match="minReplicas"):
+        handlers.on_change(body({"model": {"source": "builtin:tiny"},
+                                 "autoscaling": {"minReplicas": 4, "maxReplicas": 2}}))
+    (status, sub), = kube.applied
+    assert sub == "status"
+    degraded = next(c for c in status["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "InvalidSpec"
+    assert "minReplicas" in degraded["message"]
+
+
+def test_timer_pass_never_raises(fake):
+    fake(ready=False)
+    handlers._pass(body({"model": {"source": "builtin:tiny"}}), "timer", retry=False)
+    handlers._pass(body({"autoscaling": {"minReplicas": 4, "maxReplicas": 2}}), "timer", retry=False)
