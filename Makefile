@@ -8,7 +8,7 @@ export PIP_CACHE_DIR ?= $(HOME)/.cache/pip
 export KVPILOT_CACHE_DIR ?= $(HOME)/.cache/kvpilot
 include e2e/cluster.mk
 
-.PHONY: dev test test-fast demo clean
+.PHONY: dev test test-fast demo autotune-bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,8 +24,14 @@ test: dev
 test-fast: dev
 	$(PY) -m pytest -q tests
 
+# The product's front door: local cluster, chart, a mis-tuned LLMDeployment in mode Auto,
+# load and a live table until the autotuner fixes it; KEEP=1 leaves it all running.
 demo: dev
-	$(VENV)/bin/kvpilot generate --model builtin:tiny --prompt "The capital of France is" --max-tokens 24
+	$(PY) e2e/demo.py
+
+# The headline benchmark: defaults vs best static (swept) vs Auto; writes results/.
+autotune-bench: dev
+	$(PY) e2e/autotune_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
