@@ -6,6 +6,7 @@ chart's RBAC), and examples/llmdeployment-tiny.yaml served by real
 `kvpilot serve` pods."""
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import uuid
@@ -93,12 +94,13 @@ def diagnose(cluster, ns: str) -> str:
 
 
 # --- fixtures --------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def operator(cluster, wait_for):
-    """The chart installed (CRD, RBAC, ServiceAccount, operator Deployment); the operator pod Ready."""
+@contextlib.contextmanager
+def installed_operator(cluster, wait_for, resync_interval: float = 10):
+    """The chart installed (CRD, RBAC, ServiceAccount, operator Deployment); the operator pod
+    Ready; yields the cluster's Kube. Shared with e2e/test_autotune.py."""
     helm = helm_binary()
     out = subprocess.run([helm, "template", RELEASE, str(CHART), "-n", OPERATOR_NS, "--include-crds",
-                          "--set", "resyncInterval=10", "--set", "logLevel=INFO"],
+                          "--set", f"resyncInterval={resync_interval}", "--set", "logLevel=INFO"],
                          capture_output=True, text=True, check=True).stdout
     docs = [d for d in yaml.safe_load_all(out) if d]
     crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
@@ -106,15 +108,27 @@ def operator(cluster, wait_for):
     cluster.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(crds))
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
                     "crd/llmdeployments.serving.kvpilot.dev")
+    kube = cluster.kube()
+    # an earlier module's install may still be going away
+    wait_for(lambda: kube.get(f"/api/v1/namespaces/{OPERATOR_NS}", ok404=True) is None
+             or kube.get(f"/api/v1/namespaces/{OPERATOR_NS}")["status"].get("phase") != "Terminating",
+             timeout=120, what=f"namespace {OPERATOR_NS} to finish terminating")
     cluster.kubectl("create", "namespace", OPERATOR_NS, check=False)
     cluster.apply(rest)
-    kube = cluster.kube()
     try:
         wait_for(lambda: operator_ready(kube), timeout=180, what="the operator pod to be Ready")
     except TimeoutError:
         raise AssertionError(diagnose(cluster, OPERATOR_NS)) from None
-    yield kube
-    cluster.kubectl("delete", "namespace", OPERATOR_NS, "--wait=false", check=False)
+    try:
+        yield kube
+    finally:
+        cluster.kubectl("delete", "namespace", OPERATOR_NS, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, wait_for):
+    with installed_operator(cluster, wait_for) as kube:
+        yield kube
 
 
 @pytest.fixture(scope="module")

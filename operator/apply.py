@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+from datetime import datetime, timezone
 
 from .objects import FIELD_MANAGER
-from .spec import GROUP, PLURAL, VERSION
+from .spec import GROUP, KIND, PLURAL, VERSION
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,34 @@ class Kube:
             it.setdefault("apiVersion", f"{GROUP}/{VERSION}")
             it.setdefault("kind", "LLMDeployment")
         return items
+
+    def patch_scale(self, namespace: str, name: str, replicas: int) -> dict:
+        """spec.replicas through the LLMDeployment's scale subresource, as an HPA would."""
+        path = object_path(f"{GROUP}/{VERSION}", "LLMDeployment", namespace, name) + "/scale"
+        # a dict, not a string: the client JSON-encodes bodies of JSON content types itself
+        return self._call("PATCH", path, {"spec": {"replicas": int(replicas)}},
+                          content_type="application/merge-patch+json")
+
+    def scale_targeted_by_hpa(self, namespace: str, name: str) -> bool:
+        """Whether an autoscaling/v2 HorizontalPodAutoscaler's scaleTargetRef is this LLMDeployment."""
+        items = self._call("GET", f"/apis/autoscaling/v2/namespaces/{namespace}/horizontalpodautoscalers"
+                           ).get("items") or []
+        for hpa in items:
+            ref = (hpa.get("spec") or {}).get("scaleTargetRef") or {}
+            if (ref.get("kind") == KIND and ref.get("name") == name
+                    and (ref.get("apiVersion") or "").split("/")[0] == GROUP):
+                return True
+        return False
+
+    def create_event(self, involved: dict, type_: str, reason: str, message: str) -> dict:
+        """A core/v1 Event on `involved` (apiVersion, kind, name, namespace, uid)."""
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {"apiVersion": "v1", "kind": "Event",
+                 "metadata": {"generateName": f"{involved['name']}.", "namespace": involved["namespace"]},
+                 "involvedObject": involved, "type": type_, "reason": reason, "message": message[:1024],
+                 "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+                 "source": {"component": FIELD_MANAGER}, "reportingComponent": FIELD_MANAGER}
+        return self._call("POST", f"/api/v1/namespaces/{involved['namespace']}/events", event)
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         from kubernetes.client.exceptions import ApiException

@@ -88,11 +88,28 @@ def compute_conditions(prev: list[Condition], rollout: Rollout, problems: list[P
             _set(prev, "Degraded", *degraded, generation, now)]
 
 
+CORE_CONDITIONS = ("Ready", "Progressing", "Degraded")
+
+
+def merge_extra_conditions(prev: list[Condition], extra: list[Condition] | None,
+                           generation: int | None, now: str | None = None) -> list[Condition]:
+    """Conditions beyond the core three (the autotuner's, e.g. PrefixCacheIneffective):
+    `extra` replaces them (keeping lastTransitionTime while a status holds); None keeps
+    the previous ones as they are."""
+    if extra is None:
+        return [c for c in prev if c.type not in CORE_CONDITIONS]
+    now = now or now_iso()
+    return [_set(prev, c.type, c.status == "True", c.reason, c.message, generation, now)
+            for c in extra if c.type not in CORE_CONDITIONS]
+
+
 def status_from(prev: LLMDeploymentStatus, rollout: Rollout, problems: list[Problem],
-                generation: int | None, **fields) -> LLMDeploymentStatus:
+                generation: int | None, extra_conditions: list[Condition] | None = None,
+                **fields) -> LLMDeploymentStatus:
     """The next status: conditions, replica counts, and the given fields."""
     new = prev.model_copy(update=fields)
     new.observed_generation = generation
-    new.conditions = compute_conditions(prev.conditions, rollout, problems, generation)
+    new.conditions = (compute_conditions(prev.conditions, rollout, problems, generation)
+                      + merge_extra_conditions(prev.conditions, extra_conditions, generation))
     new.replicas, new.ready_replicas, new.updated_replicas = rollout.replicas, rollout.ready, rollout.updated
     return new

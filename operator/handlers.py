@@ -15,7 +15,7 @@ from . import metrics
 from .apply import Conflict, Kube
 from .objects import INSTANCE_LABEL, MANAGED_BY
 from .reconcile import load_autotune_hook, reconcile, write_invalid
-from .spec import GROUP, PLURAL, VERSION, InvalidSpec
+from .spec import GROUP, KIND, PLURAL, VERSION, InvalidSpec
 
 log = logging.getLogger(__name__)
 RESYNC_SECONDS = float(os.environ.get("KVPILOT_RESYNC_SECONDS", "30"))  # the CLI sets it
@@ -86,14 +86,19 @@ def _pass(body, trigger: str, *, retry: bool) -> None:
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     kube = _kube()
     start = time.monotonic()
+    current = body
     with _lock(ns, name):
         try:
-            result = reconcile(kube, body, _state.get("hook"))
+            # The freshest object, read under the lock: the body an event or the resync list
+            # carried may predate the status the previous pass wrote (the autotuner's history
+            # lives there), and reconciling from it would write that older status back.
+            current = kube.get(f"{GROUP}/{VERSION}", KIND, ns, name) or body
+            result = reconcile(kube, current, _state.get("hook"))
         except InvalidSpec as e:
             metrics.RECONCILES.labels(trigger, "invalid").inc()
             metrics.ERRORS.labels("InvalidSpec").inc()
             kopf.warn(body, reason="InvalidSpec", message=str(e))
-            write_invalid(kube, body, str(e))
+            write_invalid(kube, current, str(e))
             if retry:
                 raise kopf.PermanentError(f"invalid spec: {e}") from None
             return

@@ -16,7 +16,7 @@ from .deployment import build_deployment, pvc_claim
 from .objects import (Owner, build_configmap, build_pdb, build_service, effective_settings, endpoint_url,
                       selector_string)
 from .spec import GROUP, KIND, VERSION, InvalidSpec, LLMDeploymentSpec, validate_spec
-from .status import AutotuneStatus, Effective, LLMDeploymentStatus
+from .status import AutotuneStatus, Condition, Effective, LLMDeploymentStatus
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,7 @@ class AutotuneContext:
     spec: LLMDeploymentSpec
     status: LLMDeploymentStatus  # the previous status (effective, autotune report, conditions)
     effective: Effective  # the settings running now
+    kube: Optional[Kube] = None  # for the scale subresource, HPA lookup and Events
 
 
 @dataclass
@@ -37,6 +38,8 @@ class AutotuneOutcome:
     mode applies them within the spec's bounds; Recommend only reports them)."""
     report: AutotuneStatus | dict
     proposed: Optional[Effective] = None
+    # The autotuner's own conditions (e.g. PrefixCacheIneffective); None keeps the previous ones.
+    conditions: Optional[list[Condition]] = None
 
     def status(self) -> AutotuneStatus:
         r = self.report
@@ -96,24 +99,30 @@ def find_problems(kube: Kube, namespace: str, spec: LLMDeploymentSpec) -> list[P
 
 
 def run_autotune(hook: AutotuneHook | None, owner: Owner, spec: LLMDeploymentSpec,
-                 prev: LLMDeploymentStatus) -> tuple[Effective | None, AutotuneStatus | None]:
-    """(tuned settings to run, report). Off: none. A failing hook keeps the last values."""
+                 prev: LLMDeploymentStatus, kube: Kube | None = None
+                 ) -> tuple[Effective | None, AutotuneStatus | None, list[Condition] | None]:
+    """(tuned settings to run, report, autotuner conditions). Off: none. A failing hook
+    keeps the last values. Replicas always come from spec.replicas: the autotuner moves
+    them through the scale subresource (as an HPA would), so a tuned replica count never
+    outlives a later change of spec.replicas; a proposal may carry the value it just wrote."""
     if spec.autotune.mode == "Off":
-        return None, None
-    current = effective_settings(spec, prev.effective)
+        return None, None, []
+    tuned = prev.effective.model_copy(update={"replicas": None}) if prev.effective else None
+    current = effective_settings(spec, tuned)
     if hook is None:
-        return prev.effective, prev.autotune or AutotuneStatus(diagnosis="NoData", message="autotuner not installed")
+        return tuned, prev.autotune or AutotuneStatus(diagnosis="NoData", message="autotuner not installed"), None
     try:
-        out = hook(AutotuneContext(owner, spec, prev, current))
+        out = hook(AutotuneContext(owner, spec, prev, current, kube))
         report = out.status()
     except Exception as e:  # the autotuner must never stop the reconcile
         log.exception("autotune hook failed for %s/%s", owner.namespace, owner.name)
         report = (prev.autotune or AutotuneStatus()).model_copy(update={"message": f"autotuner error: {e}"})
-        return prev.effective, report
+        return tuned, report, None
     if spec.autotune.mode == "Auto":  # a partial proposal (or none: hold) keeps the rest running
         return current.model_copy(update=out.proposed.model_dump(exclude_none=True)) if out.proposed \
-            else current, report
-    return None, report.model_copy(update={"recommendation": out.proposed}) if out.proposed else report
+            else current, report, out.conditions
+    report = report.model_copy(update={"recommendation": out.proposed}) if out.proposed else report
+    return None, report, out.conditions
 
 
 def reconcile(kube: Kube, body, hook: AutotuneHook | None = None) -> Result:
@@ -123,7 +132,7 @@ def reconcile(kube: Kube, body, hook: AutotuneHook | None = None) -> Result:
     prev = LLMDeploymentStatus.model_validate(dict(body.get("status") or {}))
     spec = parse_spec(body)
     problems = find_problems(kube, owner.namespace, spec)
-    tuned, report = run_autotune(hook, owner, spec, prev)
+    tuned, report, autotune_conditions = run_autotune(hook, owner, spec, prev, kube)
     effective = effective_settings(spec, tuned)
     kube.apply(build_configmap(owner, effective))
     deployment = kube.apply(build_deployment(owner, spec, effective.replicas))
@@ -137,7 +146,8 @@ def reconcile(kube: Kube, body, hook: AutotuneHook | None = None) -> Result:
     kv = None if snapshot is None or snapshot.kv_usage_mean is None else round(100 * snapshot.kv_usage_mean)
     status = status_from(prev, Rollout.from_deployment(deployment, effective.replicas), problems, generation,
                          effective=effective, autotune=report, endpoint=endpoint_url(owner, spec),
-                         selector=selector_string(owner), kv_cache_usage_percent=kv)
+                         selector=selector_string(owner), kv_cache_usage_percent=kv,
+                         extra_conditions=autotune_conditions)
     write_status(kube, owner, status)
     return Result(status, problems)
 

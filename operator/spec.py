@@ -122,6 +122,10 @@ class AutotuneSpec(Model):
     prometheus: PrometheusSpec = Field(default_factory=PrometheusSpec)
     max_num_seqs: IntRange = Field(default_factory=lambda: IntRange(min=1, max=1024))
     max_model_len: IntRange = Field(default_factory=lambda: IntRange(min=128, max=32768))
+    shared_prefix: bool = Field(
+        default=False,
+        description="Prompts share a prefix (a system prompt, a few-shot header): enables the "
+                    "diagnose-only PrefixCacheIneffective warning when the prefix cache rarely hits.")
 
 
 class Toleration(Model):

@@ -2,9 +2,8 @@
 
 import pytest
 
-from kvpilot.operator.autotune.capacity import (
-    TINY_FLOAT32, ModelShape, format_bytes, kv_cache_bytes, parse_quantity, plan_capacity,
-)
+from kvpilot.engine.quantity import format_bytes, parse_bytes
+from kvpilot.operator.autotune.capacity import TINY_FLOAT32, ModelShape, kv_cache_bytes, plan_capacity
 
 MiB, GiB = 2**20, 2**30
 
@@ -78,8 +77,18 @@ def test_from_hf_config_matches_the_tiny_defaults():
 
 @pytest.mark.parametrize("text,n", [("64Mi", 64 * MiB), ("1G", 10**9), ("1.5Gi", int(1.5 * GiB)),
                                     ("1073741824", GiB), (4096, 4096), ("2k", 2000)])
-def test_parse_quantity(text, n):
-    assert parse_quantity(text) == n
+def test_quantities_parse_with_the_engines_parser(text, n):
+    assert parse_bytes("kv_cache_memory", text) == n
+    assert kv_cache_bytes(None, kv_cache_memory=text) == n
+
+
+def test_plan_from_the_pods_own_gauges_needs_no_model_shape():
+    """kvpilot:kv_cache_bytes and kvpilot:kv_cache_bytes_per_token size any model."""
+    plan = plan_capacity(seq_len=160, max_num_seqs=64, kv_cache_memory=2 * MiB, bytes_per_token=4096)
+    assert (plan.bytes_per_token, plan.seq_len, plan.max_concurrent_seqs) == (4096, 160, 3)
+    assert plan.bound == "HardwareBound"
+    with pytest.raises(ValueError):
+        plan_capacity(seq_len=160, max_num_seqs=4, kv_cache_memory=2 * MiB)
 
 
 def test_status_keys_are_camel_case():

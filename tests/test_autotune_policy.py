@@ -1,6 +1,7 @@
 """The autotuner's pure decision over hand-built snapshots: every rule, bounds,
 hysteresis, cooldown, verification and revert, NoData, HPA-owned scale."""
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -25,7 +26,8 @@ def snap(t=T0, **kw) -> Snapshot:
     return Snapshot(**base)
 
 
-PREEMPTING = dict(preemptions_per_s=0.5, kv_usage_mean=0.97, kv_usage_max=1.0, num_waiting=10.0, queue_time_p95_s=3.0)
+PREEMPTING = dict(preemptions_per_s=0.5, kv_usage_mean=0.97, kv_usage_max=1.0, num_waiting=10.0, queue_time_p95_s=3.0,
+                  num_running=60.0)
 SCHED = dict(queue_time_p95_s=2.0, num_waiting=8.0, kv_usage_mean=0.15, kv_usage_max=0.20)
 KVFULL = dict(queue_time_p95_s=2.0, num_waiting=8.0, kv_usage_mean=0.95, kv_usage_max=0.99, request_len_p99=300.0)
 IDLE = dict(request_rate_per_s=0.0, num_running=0.0, num_waiting=0.0, queue_time_p95_s=None,
@@ -75,6 +77,19 @@ def test_preemption_steps_toward_the_capacity_bound_but_at_most_halves():
     assert run(snap(**PREEMPTING), capacity=plan60).change == {"max_num_seqs": (64, 48)}  # x0.75 is lower
 
 
+def test_preemption_with_few_running_goes_down_to_the_running_count_at_once():
+    """64 allowed but ~4 running: the cache limits admission; steps of x0.75 would move nothing."""
+    d = run(snap(**dict(PREEMPTING, num_running=3.8)))
+    assert d.change == {"max_num_seqs": (64, 4)} and "only 3.8 run at once" in d.reason
+    plan = plan_capacity(seq_len=208, max_num_seqs=64, kv_cache_memory=2 * 2**20, bytes_per_token=4096)
+    assert plan.max_concurrent_seqs == 2
+    assert run(snap(**dict(PREEMPTING, num_running=3.8)), capacity=plan).change == {"max_num_seqs": (64, 4)}
+    plan10 = plan_capacity(seq_len=208, max_num_seqs=64, kv_cache_memory=10 * 208 * 4096, bytes_per_token=4096)
+    assert run(snap(**dict(PREEMPTING, num_running=3.8)), capacity=plan10).change == {"max_num_seqs": (64, 10)}
+    d = run(snap(**dict(PREEMPTING, num_running=3.8)), cur=replace(CUR, max_num_seqs=4))
+    assert d.change == {"max_num_seqs": (4, 4)} or d.action is Action.HOLD  # at the bound: nothing to lower
+
+
 def test_preemption_never_goes_below_the_minimum():
     d = run(snap(**PREEMPTING), cur=replace(CUR, max_num_seqs=5))
     assert d.change == {"max_num_seqs": (5, 4)}
@@ -98,7 +113,9 @@ def test_queueing_with_a_cool_cache_raises_max_num_seqs():
     d = run(snap(**SCHED), cur=cur)
     assert d.diagnosis is Diagnosis.SCHEDULER_BOUND
     assert d.change == {"max_num_seqs": (16, 24)}
-    assert d.target == "queue_time_p95_s" and d.baseline == 2.0
+    # judged by the number waiting: a raise flushes the backlog, whose long queue times
+    # then fill the next window's queue-time histogram
+    assert d.target == "num_waiting" and d.baseline == 8.0
     assert "max_num_seqs=16 binds" in d.reason
 
 
@@ -248,7 +265,8 @@ def test_no_decision_leaves_the_bounds(seqs, mlen, replicas, kv_mean, kv_extra, 
         assert abs(d.change["replicas"][1] - replicas) == 1
     if "max_num_seqs" in d.change:
         old, new = d.change["max_num_seqs"]
-        assert new >= old * 0.5 - 1 and new <= max(old + 1, old * 1.5 + 1)
+        # at most halved, except straight down to the running count (the cap above it binds nothing)
+        assert new >= min(old * 0.5 - 1, math.ceil(running)) and new <= max(old + 1, old * 1.5 + 1)
 
 
 # --- hysteresis -------------------------------------------------------------------------
@@ -344,9 +362,19 @@ def test_small_wobbles_are_not_worse():
 def test_a_raise_that_lengthened_the_queue_is_reverted():
     cur = replace(CUR, max_num_seqs=16)
     raised = run(snap(**SCHED), cur=cur)
-    d = run(snap(t=T0 + 200, **dict(SCHED, queue_time_p95_s=5.0)), cur=replace(cur, max_num_seqs=24),
+    d = run(snap(t=T0 + 200, **dict(SCHED, num_waiting=14.0)), cur=replace(cur, max_num_seqs=24),
             history=applied(raised))
     assert d.action is Action.REVERT and d.change == {"max_num_seqs": (24, 16)}
+
+
+def test_a_raise_is_not_reverted_for_the_backlog_it_flushes():
+    """Right after a raise the long-waiting backlog is admitted at once, so queue p95 jumps
+    while the number waiting falls: that is the change working."""
+    cur = replace(CUR, max_num_seqs=16)
+    raised = run(snap(**SCHED), cur=cur)
+    d = run(snap(t=T0 + 200, **dict(SCHED, queue_time_p95_s=5.0, num_waiting=4.0)),
+            cur=replace(cur, max_num_seqs=24), history=applied(raised))
+    assert d.action is not Action.REVERT and d.verified is True
 
 
 def test_scale_out_is_verified_but_not_reverted_by_default():

@@ -70,6 +70,10 @@ def test_rbac_is_least_privilege(helm):
     assert perms[("serving.kvpilot.dev", "llmdeployments/status")] == {"get", "patch"}
     assert perms[("", "secrets")] == {"get"}  # only to check the API key's Secret exists
     assert "delete" not in perms[("apps", "deployments")]  # owner references clean up
+    # the autotuner: replicas only through the scale subresource; HPAs only looked at; Events
+    assert perms[("serving.kvpilot.dev", "llmdeployments/scale")] == {"patch"}
+    assert perms[("autoscaling", "horizontalpodautoscalers")] == {"list"}
+    assert "create" in perms[("", "events")]
 
 
 def test_namespaced_install_uses_roles(helm):

@@ -65,3 +65,18 @@ def test_timer_pass_never_raises(fake):
     fake(ready=False)
     handlers._pass(body({"model": {"source": "builtin:tiny"}}), "timer", retry=False)
     handlers._pass(body({"autoscaling": {"minReplicas": 4, "maxReplicas": 2}}), "timer", retry=False)
+
+
+def test_a_pass_reconciles_the_freshest_object_not_the_events_body(fake, monkeypatch):
+    """An event's body can predate the status the previous pass wrote (the autotuner's
+    history lives there); reconciling it would write the older status back."""
+    from types import SimpleNamespace
+    kube = fake(ready=True)
+    fresh = body({"model": {"source": "builtin:tiny"}})
+    fresh["status"] = {"autotune": {"diagnosis": "HardwareBound"}}
+    kube.get = lambda api_version, kind, ns, name: fresh if kind == "LLMDeployment" else None
+    seen = []
+    monkeypatch.setattr(handlers, "reconcile",
+                        lambda k, b, h: seen.append(b) or SimpleNamespace(problems=[], ready=True))
+    handlers.on_change(body({"model": {"source": "builtin:tiny"}}))
+    assert seen == [fresh]

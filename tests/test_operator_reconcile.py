@@ -170,3 +170,22 @@ def test_unknown_diagnosis_from_the_autotuner_is_kept():
     spec = {"model": {"source": "builtin:tiny"}, "autotune": {"mode": "Recommend"}}
     r = reconcile(FakeKube(), body(spec), lambda ctx: AutotuneOutcome({"diagnosis": "SomethingNew"}))
     assert r.status.autotune.diagnosis == "SomethingNew"
+
+
+def test_replicas_follow_spec_replicas_and_autotuner_conditions_persist():
+    """Replicas move through the scale subresource (spec.replicas), so a tuned count in the
+    previous status never overrides the spec; the hook's own conditions are kept between
+    passes (None) and dropped when autotune is Off."""
+    spec = {"model": {"source": "builtin:tiny"}, "replicas": 1, "autotune": {"mode": "Auto"}}
+    prev = {"effective": {"maxNumSeqs": 24, "maxModelLen": 1024, "replicas": 3}}
+    warn = Condition(type="PrefixCacheIneffective", status="True", reason="LowPrefixCacheHitRate", message="m")
+    r = reconcile(FakeKube(), body(spec, prev),
+                  lambda ctx: AutotuneOutcome({"diagnosis": "Healthy"}, conditions=[warn]))
+    assert r.status.effective.replicas == 1 and r.status.effective.max_num_seqs == 24
+    assert r.status.condition("PrefixCacheIneffective").status == "True"
+    since = r.status.condition("PrefixCacheIneffective").last_transition_time
+    again = reconcile(FakeKube(), body(spec, r.status.dump()), lambda ctx: AutotuneOutcome({"diagnosis": "Healthy"}))
+    assert again.status.condition("PrefixCacheIneffective").last_transition_time == since
+    spec["autotune"]["mode"] = "Off"
+    off = reconcile(FakeKube(), body(spec, r.status.dump()), lambda ctx: AutotuneOutcome({"diagnosis": "Healthy"}))
+    assert off.status.condition("PrefixCacheIneffective") is None

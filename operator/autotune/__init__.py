@@ -5,7 +5,8 @@ policy (policy.py) and report under status.autotune (report.py).
 Each interval the operator calls, for one LLMDeployment:
 
     snap = reader.snapshot(namespace, name, window_s)
-    plan = plan_capacity(shape, seq_len=snap.request_len_p99 or settings.max_model_len, ...)
+    plan = plan_capacity(seq_len=snap.request_len_p99 or settings.max_model_len, ...,
+                         kv_cache_memory=snap.kv_cache_bytes, bytes_per_token=snap.kv_bytes_per_token)
     decision = decide(snap, settings, bounds, history, now, capacity=plan, thresholds=t)
     applied = mode == "Auto" and decision.changes_something   # and the apply succeeded
     history = history.record(decision, applied)
@@ -14,7 +15,7 @@ Each interval the operator calls, for one LLMDeployment:
 Nothing here imports kopf or kubernetes; prometheus_api_client is imported only by
 PrometheusReader.from_url."""
 
-from .capacity import TINY_FLOAT32, CapacityPlan, ModelShape, kv_cache_bytes, parse_quantity, plan_capacity
+from .capacity import TINY_FLOAT32, CapacityPlan, ModelShape, kv_cache_bytes, plan_capacity
 from .decision import Action, Bounds, Decision, Diagnosis, Range, Settings, Thresholds
 from .history import History, HistoryEntry
 from .policy import DEFAULT_THRESHOLDS, decide, prefix_cache_warning
@@ -28,5 +29,5 @@ __all__ = [
     "Diagnosis", "History", "HistoryEntry", "ModelShape", "PodSettings", "PrometheusReader",
     "QueryClient", "Range", "Settings", "Snapshot", "TABLE_HEADER", "TINY_FLOAT32", "Target",
     "Thresholds", "build_queries", "build_report", "decide", "format_table_row",
-    "history_from_status", "kv_cache_bytes", "prefix_cache_warning", "parse_quantity", "plan_capacity",
+    "history_from_status", "kv_cache_bytes", "prefix_cache_warning", "plan_capacity",
 ]

@@ -18,30 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvpilot.engine.quantity import format_bytes, parse_bytes
+
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8": 1}
-
-_SUFFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
-
-
-def parse_quantity(value: int | float | str) -> int:
-    """Bytes from an int or a Kubernetes quantity ("64Mi", "1G", "1073741824")."""
-    if isinstance(value, bool):
-        raise ValueError(f"not a byte count: {value!r}")
-    if isinstance(value, (int, float)):
-        return int(value)
-    text = value.strip()
-    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
-        if suffix and text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * _SUFFIXES[suffix])
-    return int(float(text))
-
-
-def format_bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 @dataclass(frozen=True)
@@ -101,7 +80,7 @@ class CapacityPlan:
 
 
 def kv_cache_bytes(
-    shape: ModelShape,
+    shape: ModelShape | None,
     *,
     kv_cache_memory: int | str | None = None,
     gpu_memory_bytes: int | None = None,
@@ -111,15 +90,15 @@ def kv_cache_bytes(
     """Bytes available to the KV cache: the configured amount, else what the GPU share
     leaves after weights and the activation reserve (never negative)."""
     if kv_cache_memory is not None:
-        return parse_quantity(kv_cache_memory)
-    if gpu_memory_bytes is None or gpu_memory_utilization is None:
-        raise ValueError("need kv_cache_memory, or gpu_memory_bytes with gpu_memory_utilization")
+        return parse_bytes("kv_cache_memory", kv_cache_memory)
+    if shape is None or gpu_memory_bytes is None or gpu_memory_utilization is None:
+        raise ValueError("need kv_cache_memory, or a model shape with gpu_memory_bytes and gpu_memory_utilization")
     budget = gpu_memory_bytes * gpu_memory_utilization - shape.weight_bytes - activation_reserve_bytes
     return max(0, int(budget))
 
 
 def plan_capacity(
-    shape: ModelShape,
+    shape: ModelShape | None = None,
     *,
     seq_len: float,
     max_num_seqs: int,
@@ -128,10 +107,14 @@ def plan_capacity(
     gpu_memory_bytes: int | None = None,
     gpu_memory_utilization: float | None = None,
     activation_reserve_bytes: int = 0,
+    bytes_per_token: int | None = None,
 ) -> CapacityPlan:
     """How many sequences of `seq_len` tokens fit in the KV cache, and which limit binds.
 
     `seq_len` is rounded up to whole blocks, since the cache hands out blocks, not tokens.
+    Any model works without its config: pass the pod's own `kvpilot:kv_cache_bytes` as
+    `kv_cache_memory` and `kvpilot:kv_cache_bytes_per_token` as `bytes_per_token`
+    (`shape` may then be None); the shape is needed only for the GPU formula.
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
@@ -142,7 +125,11 @@ def plan_capacity(
         gpu_memory_utilization=gpu_memory_utilization,
         activation_reserve_bytes=activation_reserve_bytes,
     )
-    per_token = shape.kv_bytes_per_token
+    if bytes_per_token is None and shape is None:
+        raise ValueError("need bytes_per_token or a model shape")
+    per_token = int(bytes_per_token) if bytes_per_token is not None else shape.kv_bytes_per_token
+    if per_token <= 0:
+        raise ValueError(f"bytes_per_token must be positive, got {per_token}")
     tokens = math.ceil(seq_len / block_size) * block_size
     per_seq = per_token * tokens
     fits = total // per_seq

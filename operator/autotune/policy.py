@@ -167,11 +167,14 @@ def _act(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, histo
     if diagnosis is Diagnosis.IDLE:
         return _scale_in(cur, bounds, history, t)
     if diagnosis is Diagnosis.PREEMPTION_BOUND:
-        new = _lower_seqs(cur, bounds, capacity, t)
+        new = _lower_seqs(cur, bounds, capacity, t, s.num_running)
         blocked = _blocked(history, "max_num_seqs", -1, now, t)
         if new is not None and not blocked:
             why = (f" toward the {capacity.max_concurrent_seqs} sequences that fit"
                    if capacity is not None and capacity.max_concurrent_seqs < cur.max_num_seqs else "")
+            if 1 <= s.num_running and math.ceil(s.num_running) < math.floor(cur.max_num_seqs * t.seq_decrease):
+                why += (f" (only {s.num_running:.1f} run at once: the cache, not max_num_seqs, "
+                        f"limits admission, so the cap above that binds nothing)")
             return ({"max_num_seqs": (cur.max_num_seqs, new)}, "preemptions_per_s",
                     f"lower max_num_seqs {cur.max_num_seqs} -> {new}{why}", diagnosis)
         note = blocked or f"max_num_seqs already at its minimum {bounds.max_num_seqs.min}"
@@ -191,8 +194,10 @@ def _act(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, histo
         new = _raise_seqs(s, cur, bounds, t)
         blocked = _blocked(history, "max_num_seqs", +1, now, t)
         if new is not None and not blocked:
-            target = "queue_time_p95_s" if s.queue_time_p95_s is not None else "num_waiting"
-            return ({"max_num_seqs": (cur.max_num_seqs, new)}, target,
+            # Judged by the number waiting, not queue p95: queue time is recorded when a
+            # request leaves the queue, so right after a raise the whole backlog is admitted
+            # at once and the window's p95 jumps because the change worked.
+            return ({"max_num_seqs": (cur.max_num_seqs, new)}, "num_waiting",
                     f"raise max_num_seqs {cur.max_num_seqs} -> {new}", diagnosis)
         note = blocked or f"max_num_seqs already at its limit {_seqs_ceiling(cur, bounds)}"
         return _scale_out(cur, bounds, history, s, t, note, diagnosis)
@@ -241,11 +246,20 @@ def _scale_in(cur: Settings, bounds: Bounds, history: History, t: Thresholds):
 
 # --- steps ------------------------------------------------------------------------------
 
-def _lower_seqs(cur: Settings, bounds: Bounds, capacity: CapacityPlan | None, t: Thresholds) -> int | None:
+def _lower_seqs(cur: Settings, bounds: Bounds, capacity: CapacityPlan | None, t: Thresholds,
+                running: float | None = None) -> int | None:
+    """x seq_decrease, or toward the capacity bound (at most halving). When fewer sequences
+    run (mean over the window) than that step would leave, the cache is what limits
+    admission and the cap above the running count changes nothing: go down to the running
+    count (or what fits, if more) at once. Otherwise each bounded step would be a change
+    that moves nothing, and its verification would judge noise."""
     n = cur.max_num_seqs
     new = math.floor(n * t.seq_decrease)
     if capacity is not None and capacity.max_concurrent_seqs < new:
         new = max(capacity.max_concurrent_seqs, math.floor(n * t.seq_max_decrease))
+    if running is not None and running >= 1 and math.ceil(running) < new:
+        fits = capacity.max_concurrent_seqs if capacity is not None else 0
+        new = max(math.ceil(running), min(fits, new), 1)
     new = bounds.max_num_seqs.clamp(min(new, n - 1))
     return new if new < n else None
 

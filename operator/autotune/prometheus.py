@@ -18,6 +18,9 @@ config's relabelling) and aggregates over the pods:
 - prefix-cache hit rate: rate of hits / rate of queries (None with no queries);
 - length refusals/s: a configurable expression; vLLM exports no such counter, so when
   its series is absent the signal is None (the raise-on-refusal rule stays off);
+- KV sizing: the smallest kvpilot:kv_cache_bytes and the largest
+  kvpilot:kv_cache_bytes_per_token over the pods (what the capacity plan needs, for any
+  model, without its config);
 - settings in effect: kvpilot:max_num_seqs and kvpilot:max_model_len, per pod.
 
 Staleness: for each raw metric, the oldest pod's newest sample (`min(timestamp(...))`)
@@ -53,6 +56,8 @@ SOURCES = {
     "request_rate_per_s": "vllm:e2e_request_latency_seconds_count",
     "request_len_p99": "vllm:request_prompt_tokens_bucket",
     "prefix_hit_rate": "vllm:prefix_cache_queries_total",
+    "kv_cache_bytes": "kvpilot:kv_cache_bytes",
+    "kv_bytes_per_token": "kvpilot:kv_cache_bytes_per_token",
 }
 # Second sources of two-metric signals (also checked).
 EXTRA_SOURCES = {"request_len_p99": "vllm:request_generation_tokens_bucket",
@@ -108,6 +113,8 @@ def build_queries(target: Target, window_s: float, refusal_metric: str = DEFAULT
                             f" + {quantile(0.995, 'vllm:request_generation_tokens')}"),
         "prefix_hit_rate": f"{rate('vllm:prefix_cache_hits_total')} / {rate('vllm:prefix_cache_queries_total')}",
         "length_refusals_per_s": rate(refusal_metric),
+        "kv_cache_bytes": f"min(kvpilot:kv_cache_bytes{{{sel}}})",
+        "kv_bytes_per_token": f"max(kvpilot:kv_cache_bytes_per_token{{{sel}}})",
     }
 
 

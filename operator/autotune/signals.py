@@ -17,7 +17,8 @@ REQUIRED_SIGNALS = (
     "request_rate_per_s",
 )
 # Signals some rules use when present; their absence disables only those rules.
-OPTIONAL_SIGNALS = ("ttft_p95_s", "request_len_p99", "prefix_hit_rate", "length_refusals_per_s")
+OPTIONAL_SIGNALS = ("ttft_p95_s", "request_len_p99", "prefix_hit_rate", "length_refusals_per_s",
+                    "kv_cache_bytes", "kv_bytes_per_token")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,10 @@ class Snapshot:
     request_len_p99: float | None = None  # prompt + generation tokens
     prefix_hit_rate: float | None = None  # 0..1
     length_refusals_per_s: float | None = None
+    # The pods' own KV sizing (kvpilot:kv_cache_bytes, kvpilot:kv_cache_bytes_per_token): the
+    # smallest cache and the largest per-token cost over the pods, for the capacity plan.
+    kv_cache_bytes: float | None = None
+    kv_bytes_per_token: float | None = None
     pods: tuple[PodSettings, ...] = ()
     missing: tuple[str, ...] = ()
     stale: tuple[str, ...] = ()

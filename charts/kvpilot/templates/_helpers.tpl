@@ -29,6 +29,14 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: ["serving.kvpilot.dev"]
   resources: ["llmdeployments/status"]
   verbs: ["get", "patch"]
+# The autotuner moves replicas as an HPA would, through the scale subresource ...
+- apiGroups: ["serving.kvpilot.dev"]
+  resources: ["llmdeployments/scale"]
+  verbs: ["patch"]
+# ... and leaves them alone when an HPA targets the LLMDeployment.
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["list"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch"]

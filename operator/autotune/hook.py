@@ -1,0 +1,226 @@
+"""The operator's autotune hook: `autotune_step(ctx)` runs one autotuner interval for one
+LLMDeployment (the contract is AutotuneContext/AutotuneOutcome in operator/reconcile.py).
+
+The reconcile calls it on every pass (from a worker thread, so blocking Prometheus and
+API calls do not stall kopf's event loop); it decides at most once per
+spec.autotune.interval, measured from the time of the last decision in status:
+
+1. read a Snapshot from spec.autotune.prometheus.url over spec.autotune.window;
+2. plan capacity from the pods' own kvpilot:kv_cache_bytes and
+   kvpilot:kv_cache_bytes_per_token (any model, no config.json needed);
+3. rebuild the History from status.autotune (the only place it lives) and `decide`;
+4. Auto mode applies the decision: max_num_seqs / max_model_len through the proposal
+   (the reconcile writes them to the tuning ConfigMap), replicas through the
+   LLMDeployment's scale subresource, as an HPA would (and not at all when an HPA
+   targets it). Each applied change is an Event (AutotuneChange / AutotuneRevert, the
+   decision's reason as message) and a count in kvpilot_operator_autotune_decisions_total;
+5. with spec.autotune.sharedPrefix set, a low prefix-cache hit rate raises the
+   PrefixCacheIneffective condition and a Warning Event (diagnose only).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import re
+import time
+from typing import Any, Callable, Protocol
+
+from .. import metrics
+from ..objects import INSTANCE_LABEL
+from ..reconcile import AutotuneContext, AutotuneOutcome
+from ..spec import GROUP, KIND, VERSION, LLMDeploymentSpec
+from ..status import AutotuneStatus, Condition, Effective
+from .capacity import CapacityPlan, plan_capacity
+from .decision import Action, Bounds, Decision, Diagnosis, Range, Settings, Thresholds
+from .history import History
+from .policy import prefix_cache_warning, decide
+from .prometheus import PrometheusReader
+from .report import build_report, history_from_status
+from .signals import Snapshot
+
+log = logging.getLogger(__name__)
+
+# Prometheus's labelmap turns the pod label serving.kvpilot.dev/llmdeployment into this.
+SERIES_LABEL = re.sub(r"[^a-zA-Z0-9_]", "_", INSTANCE_LABEL)
+PREFIX_CONDITION = "PrefixCacheIneffective"
+_DURATION = re.compile(r"([0-9]+)(ms|s|m|h)")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+class Reader(Protocol):
+    def snapshot(self, namespace: str, name: str, window_s: float) -> Snapshot: ...
+
+
+ReaderFactory = Callable[[str], Reader]
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from a spec duration ("30s", "2m", "1m30s", "500ms")."""
+    parts = _DURATION.findall(text or "")
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise ValueError(f"not a duration: {text!r}")
+    return sum(int(n) * _UNIT_S[u] for n, u in parts)
+
+
+def _parse_time(text: str) -> float:
+    return _dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=_dt.timezone.utc).timestamp()
+
+
+def default_reader(url: str) -> Reader:
+    return PrometheusReader.from_url(url, label=SERIES_LABEL)
+
+
+def thresholds_for(spec: LLMDeploymentSpec) -> Thresholds:
+    return Thresholds(cooldown_s=parse_duration(spec.autotune.cooldown))
+
+
+def bounds_for(spec: LLMDeploymentSpec) -> Bounds:
+    a = spec.autotune
+    return Bounds(max_num_seqs=Range(a.max_num_seqs.min, a.max_num_seqs.max),
+                  max_model_len=Range(a.max_model_len.min, a.max_model_len.max),
+                  replicas=Range(spec.autoscaling.min_replicas, spec.autoscaling.max_replicas))
+
+
+def last_decision_time(prev: AutotuneStatus | None) -> float | None:
+    if prev is None or prev.last_decision is None or not prev.last_decision.time:
+        return None
+    try:
+        return _parse_time(prev.last_decision.time)
+    except ValueError:
+        return None
+
+
+def history_of(prev: AutotuneStatus | None) -> History:
+    """The autotuner's memory, from the previous status.autotune (empty if it holds none)."""
+    if prev is None or prev.last_decision is None or prev.diagnosis is None:
+        return History()
+    try:
+        return history_from_status(prev.dump())
+    except (ValueError, KeyError):  # a report from an older autotuner: start afresh
+        log.warning("status.autotune unreadable; starting with an empty history")
+        return History()
+
+
+def capacity_plan(snap: Snapshot | None, current: Settings) -> CapacityPlan | None:
+    """The KV formula run backwards on the pods' own KV sizing gauges."""
+    if snap is None or not snap.kv_cache_bytes or not snap.kv_bytes_per_token:
+        return None
+    return plan_capacity(seq_len=snap.request_len_p99 or current.max_model_len,
+                         max_num_seqs=current.max_num_seqs, block_size=current.block_size,
+                         kv_cache_memory=int(snap.kv_cache_bytes), bytes_per_token=int(snap.kv_bytes_per_token))
+
+
+def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None = None,
+                  now: float | None = None) -> AutotuneOutcome:
+    spec, at, owner, kube = ctx.spec, ctx.spec.autotune, ctx.owner, ctx.kube
+    now = time.time() if now is None else now
+    prev = ctx.status.autotune
+    last = last_decision_time(prev)
+    if last is not None and now - last < parse_duration(at.interval):
+        return AutotuneOutcome(report=prev, proposed=None, conditions=None)  # not due: hold as is
+
+    current = Settings(
+        max_num_seqs=ctx.effective.max_num_seqs, max_model_len=ctx.effective.max_model_len,
+        replicas=ctx.effective.replicas if ctx.effective.replicas is not None else spec.replicas,
+        block_size=spec.engine.block_size, max_num_batched_tokens=spec.engine.max_num_batched_tokens,
+        hpa_owns_scale=_hpa_owns_scale(kube, owner.namespace, owner.name))
+    thresholds = thresholds_for(spec)
+    history = history_of(prev)
+
+    snap: Snapshot | None = None
+    try:
+        snap = (reader_factory or default_reader)(at.prometheus.url).snapshot(
+            owner.namespace, owner.name, parse_duration(at.window))
+    except Exception as e:  # Prometheus down or refusing: no data, never a guess
+        log.warning("autotune %s/%s: reading Prometheus failed: %s", owner.namespace, owner.name, e)
+        decision = Decision(now, Diagnosis.NO_DATA, Action.HOLD,
+                            f"no decision: reading Prometheus at {at.prometheus.url} failed: {e}")
+    plan = capacity_plan(snap, current)
+    if snap is not None:
+        decision = decide(snap, current, bounds_for(spec), history, now, capacity=plan, thresholds=thresholds)
+
+    auto = at.mode == "Auto"
+    applied = auto and decision.changes_something
+    replicas = current.replicas
+    if applied and "replicas" in decision.change:
+        new = decision.change["replicas"][1]
+        try:
+            if kube is None:
+                raise RuntimeError("no API client")
+            kube.patch_scale(owner.namespace, owner.name, new)
+            replicas = new
+        except Exception as e:
+            log.warning("autotune %s/%s: scaling to %s failed: %s", owner.namespace, owner.name, new, e)
+            applied = False
+    history = history.record(decision, applied)
+    report = build_report(decision, history, snap, plan).dump()
+    metrics.AUTOTUNE_DIAGNOSES.labels(decision.diagnosis.value).inc()
+
+    proposed = None
+    if decision.changes_something and (applied or not auto):
+        values = {k: b for k, (_, b) in decision.change.items()}
+        proposed = Effective(max_num_seqs=values.get("max_num_seqs", current.max_num_seqs),
+                             max_model_len=values.get("max_model_len", current.max_model_len),
+                             replicas=replicas if auto else values.get("replicas", current.replicas))
+    if applied:
+        _announce_change(kube, owner, decision)
+
+    conditions = _prefix_conditions(ctx, snap, thresholds)
+    return AutotuneOutcome(report=report, proposed=proposed, conditions=conditions)
+
+
+# --- side effects -------------------------------------------------------------------------
+
+def involved_object(owner) -> dict:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": owner.name,
+            "namespace": owner.namespace, "uid": owner.uid}
+
+
+def _event(kube: Any, owner, type_: str, reason: str, message: str) -> None:
+    if kube is None:
+        return
+    try:
+        kube.create_event(involved_object(owner), type_, reason, message)
+    except Exception as e:  # an Event is a courtesy; it must not undo the decision
+        log.warning("autotune %s/%s: posting Event %s failed: %s", owner.namespace, owner.name, reason, e)
+
+
+def _announce_change(kube: Any, owner, decision: Decision) -> None:
+    reason = "AutotuneRevert" if decision.action is Action.REVERT else "AutotuneChange"
+    change = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in decision.change.items())
+    _event(kube, owner, "Normal", reason, f"{change}: {decision.reason}")
+    for setting in decision.change:
+        metrics.AUTOTUNE_DECISIONS.labels(decision.action.value, setting).inc()
+    log.info("autotune %s/%s: %s %s (%s)", owner.namespace, owner.name, decision.action.value, change,
+             decision.diagnosis.value)
+
+
+def _hpa_owns_scale(kube: Any, namespace: str, name: str) -> bool:
+    """True when an HPA targets the LLMDeployment; also when that cannot be checked (leaving
+    replicas alone is the safe side)."""
+    if kube is None:
+        return True
+    try:
+        return bool(kube.scale_targeted_by_hpa(namespace, name))
+    except Exception as e:
+        log.warning("autotune %s/%s: listing HPAs failed (%s); leaving replicas alone", namespace, name, e)
+        return True
+
+
+def _prefix_conditions(ctx: AutotuneContext, snap: Snapshot | None,
+                       thresholds: Thresholds) -> list[Condition] | None:
+    """PrefixCacheIneffective, only where spec.autotune.sharedPrefix says prompts share a prefix
+    (the engine cannot tell); None (keep the previous condition) when there is no data."""
+    if not ctx.spec.autotune.shared_prefix:
+        return []
+    if snap is None or snap.no_data_reason() is not None:
+        return None
+    warning = prefix_cache_warning(snap, True, thresholds)
+    if warning is None:
+        return [Condition(type=PREFIX_CONDITION, status="False", reason="PrefixCacheHits",
+                          message="prefix-cache hit rate is fine, or too little traffic to judge")]
+    before = ctx.status.condition(PREFIX_CONDITION)
+    if before is None or before.status != "True":  # one Event per episode, not per interval
+        _event(ctx.kube, ctx.owner, "Warning", PREFIX_CONDITION, warning)
+        metrics.AUTOTUNE_WARNINGS.labels(PREFIX_CONDITION).inc()
+    return [Condition(type=PREFIX_CONDITION, status="True", reason="LowPrefixCacheHitRate", message=warning)]
