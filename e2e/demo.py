@@ -42,6 +42,7 @@ AUTOTUNE = {"mode": "Auto", "interval": "10s", "window": "20s", "cooldown": "20s
 WORKLOAD = ks.Workload(num_requests=400, rate=float("inf"), max_concurrency=32, seed=3,
                        input_min=32, input_max=256, output_min=64, output_max=192)
 PREEMPT_FIXED = 0.1  # preemptions/s over the monitor's window
+POLL_S = 1.0  # how often the demo's main loop checks the monitor's latest sample
 
 
 def _interrupt(*_):
@@ -113,7 +114,7 @@ class Demo:
         auto_at = time.monotonic() + self.args.warmup
         fixed = auto_on = False
         while time.monotonic() < deadline:
-            time.sleep(1)
+            time.sleep(POLL_S)
             if not auto_on and time.monotonic() >= auto_at:
                 # Signals first settle under load over one window, then the autotuner takes over.
                 log("the deployment is preempting under load; turning the autotuner on (autotune.mode: Auto)")
@@ -137,7 +138,7 @@ class Demo:
                 "add a replica for the queue)")
             settle_end = time.monotonic() + self.args.settle
             while time.monotonic() < settle_end and not self.load.error:
-                time.sleep(1)
+                time.sleep(POLL_S)
         self.load.stop()
         self.monitor.stop()
         took = time.monotonic() - t_all
