@@ -11,18 +11,20 @@ include e2e/cluster.mk
 .PHONY: dev test test-fast demo autotune-bench clean
 
 $(VENV)/.installed: pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --upgrade --quiet pip
-	$(PY) -m pip install --progress-bar on -e '.[dev]'
+	@# `python -m` puts the working directory on sys.path, where operator/ would shadow the
+	@# standard library's `operator`: bootstrap from / and use the venv's scripts.
+	@test -x $(PY) || (cd / && $(PYTHON) -m venv $(CURDIR)/$(VENV))
+	$(VENV)/bin/pip install --upgrade --quiet pip
+	$(VENV)/bin/pip install --progress-bar on -e '.[dev]'
 	@touch $@
 
 dev: $(VENV)/.installed
 
 test: dev
-	$(PY) -m pytest -q tests e2e
+	$(VENV)/bin/pytest -q tests e2e
 
 test-fast: dev
-	$(PY) -m pytest -q tests
+	$(VENV)/bin/pytest -q tests
 
 # The product's front door: local cluster, chart, a mis-tuned LLMDeployment in mode Auto,
 # load and a live table until the autotuner fixes it; KEEP=1 leaves it all running.
