@@ -85,8 +85,3 @@ class BlockPool:
         if block_hash not in self._cached:
             block.block_hash = block_hash
             self._cached[block_hash] = block
-
-    def reset_prefix_cache(self) -> None:
-        for block in self._cached.values():
-            block.block_hash = None
-        self._cached.clear()
