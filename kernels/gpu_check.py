@@ -33,11 +33,12 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable
+
+from .gpu_check_correctness import run_correctness
+from .gpu_check_e2e import run_end_to_end
 
 LLAMA3_8B = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 DECODE_BATCHES = (1, 16, 64, 256)
@@ -54,121 +55,6 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--e2e-max-tokens", type=int, default=128)
     parser.add_argument("--e2e-prompt-len", type=int, default=128)
     return parser.parse_args(argv)
-
-
-# ----------------------------------------------------------------------------- correctness
-
-
-def _correctness_cases(cpu: bool) -> list[dict[str, Any]]:
-    """Cases for every kernel; small under the interpreter, broad on a GPU."""
-    import torch
-
-    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
-    cases: list[dict[str, Any]] = []
-    if cpu:
-        spec = [  # (head_dim, block_size, heads, kv_heads, dtype)
-            (32, 16, 4, 1, f32),
-            (80, 8, 2, 2, bf16),
-        ]
-        long_len = 40
-    else:
-        spec = []
-        blocks, groups = (8, 16, 32), ((8, 8), (8, 2), (8, 1))  # GQA 1, 4, 8
-        i = 0
-        for head_dim in (32, 64, 80, 96, 128, 256):
-            for dtype in (f16, bf16, f32):
-                heads, kv_heads = groups[i % 3]
-                spec.append((head_dim, blocks[(i // 3 + i) % 3], heads, kv_heads, dtype))
-                i += 1
-        long_len = 3000
-    for n, (head_dim, block_size, heads, kv_heads, dtype) in enumerate(spec):
-        bs = block_size
-        shape = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "block_size": bs, "dtype": dtype}
-        decode_lens = [1, bs - 1, bs, bs + 1, long_len]
-        cases.append({"kernel": "decode", "seq_lens": decode_lens, "num_splits": None, **shape})
-        cases.append({"kernel": "decode", "seq_lens": decode_lens, "num_splits": 3 + n % 5, **shape})
-        cases.append({
-            "kernel": "prefill",
-            "seq_lens": [1, bs + 1, 2 * bs + 5, long_len, bs],
-            "query_lens": [1, 1, bs + 2, min(long_len, 2 * bs + 7), bs],  # decode rows, mid-block prefixes
-            **shape,
-        })
-        cases.append({"kernel": "write", "seq_lens": [bs + 3, long_len], "query_lens": [bs + 3, 1], **shape})
-    return cases
-
-
-def _run_correctness_case(case: dict[str, Any], device: str) -> dict[str, Any]:
-    import torch
-
-    from kvpilot.kernels._common import KERNEL_RTOL, REFERENCE_RTOL
-    from kvpilot.kernels.kv_cache_write import write_kv_cache, write_kv_cache_reference
-    from kvpilot.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
-    from kvpilot.kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
-    from kvpilot.kernels.testing import dense_attention_float64, make_paged_case, rel_error
-
-    kernel, dtype = case["kernel"], case["dtype"]
-    seq_lens = case["seq_lens"]
-    query_lens = case.get("query_lens", [1] * len(seq_lens))
-    shape = {k: case[k] for k in ("num_heads", "num_kv_heads", "head_dim", "block_size")}
-    row = {
-        "kernel": kernel,
-        "dtype": str(dtype).removeprefix("torch."),
-        **shape,
-        "group": shape["num_heads"] // shape["num_kv_heads"],
-        "seq_lens": seq_lens,
-        "query_lens": query_lens,
-    }
-    p = make_paged_case(seq_lens, query_lens, dtype=dtype, device=device, seed=len(str(case)),
-                        write_new=kernel != "write", **shape)
-    if kernel == "write":
-        full = make_paged_case(seq_lens, query_lens, dtype=dtype, device=device, seed=len(str(case)), **shape)
-        kk, vk = p.k_cache.clone(), p.v_cache.clone()
-        write_kv_cache(p.key, p.value, kk, vk, p.slot_mapping)
-        kr, vr = p.k_cache.clone(), p.v_cache.clone()
-        write_kv_cache_reference(p.key, p.value, kr, vr, p.slot_mapping)
-
-        def same(a, b):
-            return bool(((a == b) | (a.isnan() & b.isnan())).all())
-
-        ok = same(kk, kr) and same(vk, vr) and same(kr, full.k_cache) and same(vr, full.v_cache)
-        row.update(kernel_vs_ref=0.0 if ok else float("inf"), ref_vs_dense=0.0, kernel_tol=0.0, ref_tol=0.0, ok=ok)
-        return row
-    out = torch.full_like(p.query, float("nan"))
-    if kernel == "decode":
-        args = (p.query, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, p.scale)
-        paged_decode_attention(*args, case["num_splits"], out=out)
-        ref = paged_decode_attention_reference(*args)
-        row["num_splits"] = case["num_splits"]
-    else:
-        args = (p.query, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, p.query_start_loc, p.max_query_len, p.scale)
-        paged_prefill_attention(*args, out=out)
-        ref = paged_prefill_attention_reference(*args)
-    dense = dense_attention_float64(p)
-    k_err, r_err = rel_error(out, ref), rel_error(ref, dense)
-    row.update(
-        kernel_vs_ref=k_err,
-        ref_vs_dense=r_err,
-        kernel_tol=KERNEL_RTOL[dtype],
-        ref_tol=REFERENCE_RTOL[dtype],
-        ok=bool(k_err <= KERNEL_RTOL[dtype] and r_err <= REFERENCE_RTOL[dtype]),
-    )
-    return row
-
-
-def run_correctness(cpu: bool, device: str, deadline: float = float("inf")) -> list[dict[str, Any]]:
-    """Every case's row; cases not started by ``deadline`` are listed as skipped."""
-    rows = []
-    for case in _correctness_cases(cpu):
-        if time.monotonic() > deadline:
-            rows.append({"kernel": case["kernel"], "dtype": str(case["dtype"]).removeprefix("torch."),
-                         "head_dim": case["head_dim"], "skipped": "out of time budget"})
-            continue
-        try:
-            rows.append(_run_correctness_case(case, device))
-        except Exception as exc:  # a crash is a failed case, reported with the rest
-            rows.append({"kernel": case["kernel"], "dtype": str(case["dtype"]), "ok": False,
-                         "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
-    return rows
 
 
 # ----------------------------------------------------------------------------- bandwidth
@@ -352,127 +238,6 @@ def measure_prefill() -> dict[str, Any]:
         gc.collect()
         torch.cuda.empty_cache()
     return row
-
-
-# ----------------------------------------------------------------------------- end to end
-
-
-# Llama-3.2-1B's shape, for make_tiny_model (random weights; nothing is downloaded).
-LLAMA32_1B = {
-    "layers": 16, "hidden": 2048, "heads": 32, "kv_heads": 8, "intermediate": 8192, "vocab": 128256,
-    "max_position_embeddings": 131072, "tie_word_embeddings": True, "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-}
-
-
-def run_end_to_end(
-    prompt_len: int,
-    max_tokens: int,
-    deadline: float,
-    *,
-    model_shape: dict[str, Any] | None = None,
-    dtype: str = "bfloat16",
-    device: str = "cuda",
-    concurrency: tuple[int, ...] = (1, 64),
-    llm_kwargs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """kvpilot's offline throughput vs ``transformers`` ``generate`` on one random model.
-
-    Defaults: Llama-3.2-1B's shape in bf16 on CUDA with the Triton backend. The
-    tests call it with a tiny model on the CPU to keep this path honest.
-    """
-    import shutil
-
-    import torch
-
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    result: dict[str, Any] = {"prompt_len": prompt_len, "max_tokens": max_tokens, "dtype": dtype}
-    workdir = Path(tempfile.mkdtemp(prefix="kvpilot-gpu-check-"))
-    try:
-        from kvpilot.engine import LLM, SamplingParams
-        from kvpilot.engine.tiny_model import make_tiny_model
-
-        shape = dict(LLAMA32_1B if model_shape is None else model_shape)
-        result["model_shape"] = shape
-        t0 = time.monotonic()
-        model_dir = make_tiny_model(workdir / "model", arch="llama", seed=0, dtype=dtype, **shape)
-        result["make_model_s"] = time.monotonic() - t0
-        gen = torch.Generator().manual_seed(0)
-        top = min(4000, shape["vocab"])
-        prompts = torch.randint(4, top, (max(concurrency), prompt_len), generator=gen).tolist()
-        kwargs = {"dtype": dtype, "max_model_len": prompt_len + max_tokens + 16, "attention_backend": "triton",
-                  **({"gpu_memory_utilization": 0.5} if device == "cuda" else {}), **(llm_kwargs or {})}
-        result["llm_kwargs"] = kwargs
-        llm = LLM(model=str(model_dir), **kwargs)
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
-        ours: dict[int, list[list[int]]] = {}
-        for n in concurrency:
-            if time.monotonic() > deadline:
-                result[f"kvpilot_{n}"] = {"skipped": "out of time budget"}
-                continue
-            sync()
-            t = time.monotonic()
-            outs = llm.generate(prompts[:n], params, use_tqdm=False)
-            sync()
-            elapsed = time.monotonic() - t
-            ours[n] = [list(o.outputs[0].token_ids) for o in outs]
-            generated = sum(len(toks) for toks in ours[n])
-            result[f"kvpilot_{n}"] = {"s": elapsed, "output_tokens": generated, "tok_per_s": generated / elapsed}
-        del llm
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
-
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()
-        with torch.no_grad():
-            model.generate(torch.tensor(prompts[:1], device=device), max_new_tokens=2, do_sample=False,
-                           pad_token_id=0)
-        for n in concurrency:
-            if time.monotonic() > deadline:
-                result[f"transformers_{n}"] = {"skipped": "out of time budget"}
-                continue
-            ids = torch.tensor(prompts[:n], device=device)  # equal lengths: no padding needed
-            sync()
-            t = time.monotonic()
-            with torch.no_grad():
-                hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                    min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-            sync()
-            elapsed = time.monotonic() - t
-            hf_tokens = hf[:, prompt_len:].tolist()
-            generated = sum(len(toks) for toks in hf_tokens)
-            entry: dict[str, Any] = {"s": elapsed, "output_tokens": generated, "tok_per_s": generated / elapsed}
-            if n in ours:  # greedy agreement (bf16 near-ties may legitimately diverge late)
-                pairs = list(zip(ours[n], hf_tokens))
-                entry["first_token_match"] = sum(a[:1] == b[:1] for a, b in pairs) / n
-                entry["mean_matching_prefix"] = sum(_common_prefix(a, b) for a, b in pairs) / n
-            result[f"transformers_{n}"] = entry
-        del model
-    except Exception as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"[:2000]
-        result["traceback"] = traceback.format_exc()
-    finally:
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        shutil.rmtree(workdir, ignore_errors=True)
-    return result
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 # ----------------------------------------------------------------------------- report

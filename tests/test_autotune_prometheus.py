@@ -2,7 +2,6 @@
 
 import math
 
-import pytest
 
 from kvpilot.operator.autotune import PodSettings, PrometheusReader, Snapshot, Target, build_queries
 from kvpilot.operator.autotune.prometheus import build_freshness_queries, duration
