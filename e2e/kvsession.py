@@ -21,6 +21,7 @@ from typing import Callable
 
 import httpx
 import yaml
+from kvpilot.engine.bench_serve import stream_completion
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -236,40 +237,10 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
                t0: float) -> RequestOutcome:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    import json
-    start = time.perf_counter()
-    res = RequestOutcome(sent_at=time.monotonic() - t0)
-    chunks = 0
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
-                return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                ev = json.loads(data)
-                if "error" in ev:
-                    res.error = str(ev["error"])[:200]
-                    return res
-                if ev.get("usage"):
-                    res.output_tokens = ev["usage"]["completion_tokens"]
-                if ev.get("choices") and ev["choices"][0].get("text"):
-                    chunks += 1
-                    if res.ttft is None:
-                        res.ttft = time.perf_counter() - start
-        res.latency = time.perf_counter() - start
-        res.output_tokens = res.output_tokens or chunks
-        if res.ttft is None:
-            res.error = "the stream carried no tokens"
-        elif res.output_tokens > 1:
-            res.tpot = (res.latency - res.ttft) / (res.output_tokens - 1)
-    except Exception as exc:  # a failed request, not a crashed benchmark
-        res.error = f"{type(exc).__name__}: {exc}"
-    return res
+    sent_at = time.monotonic() - t0
+    r = await stream_completion(client, f"{url}/v1/completions", body)
+    return RequestOutcome(sent_at=sent_at, ttft=r.ttft, tpot=r.tpot, latency=r.latency,
+                          output_tokens=r.output_tokens or 0, error=r.error)
 
 
 class LoadDriver:

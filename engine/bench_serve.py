@@ -86,11 +86,18 @@ async def _send(client, cfg: BenchConfig, req: BenchRequest) -> RequestResult:
     body = {"model": cfg.model, "prompt": req.prompt, "max_tokens": req.output_len,
             "temperature": 0.0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    result = RequestResult(prompt_len=len(req.prompt))
+    return await stream_completion(client, "/v1/completions", body, _headers(cfg))
+
+
+async def stream_completion(client, url: str, body: dict,
+                            headers: dict[str, str] | None = None) -> RequestResult:
+    """POST one streaming completion and time it: TTFT, inter-chunk latencies, end to end.
+    A failure is recorded in the result, never raised."""
+    result = RequestResult(prompt_len=len(body["prompt"]))
     start = last = time.perf_counter()
     chunks = 0
     try:
-        async with client.stream("POST", "/v1/completions", json=body, headers=_headers(cfg)) as resp:
+        async with client.stream("POST", url, json=body, headers=headers or {}) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 result.error = f"HTTP {resp.status_code}: {text[:200]}"
