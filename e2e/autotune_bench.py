@@ -124,9 +124,6 @@ class Bench:
         self.cluster, self.started_cluster = ks.open_cluster(Path(self.args.cluster_dir))
         self.kube = self.cluster.kube()
         ks.install_operator(self.cluster)
-        if not ks.autotuner_installed():
-            log("note: operator/autotune/hook.py is not there yet: the Auto run will show NoData "
-                "and change nothing")
         log(f"workload: {WORKLOAD.describe()}; KV cache {KV_CACHE} per pod; objective {SLO.describe()}")
         self.static_deployment()
 
@@ -195,7 +192,6 @@ class Bench:
         r["autotune_message"] = (mon.status.get("autotune") or {}).get("message")
         self.results["runs"]["auto"] = r
         self.results["timeline"] = samples_to_json(mon.samples)
-        self.results["autotuner_installed"] = ks.autotuner_installed()
         self.results["total_s"] = time.monotonic() - t_all
         self.save()
         report(self.results, self.out)

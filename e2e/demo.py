@@ -83,9 +83,6 @@ class Demo:
         self.cluster, self.started_cluster = ks.open_cluster(Path(self.args.cluster_dir))
         self.kube = self.cluster.kube()
         ks.install_operator(self.cluster)
-        if not ks.autotuner_installed():
-            log("WARNING: this operator has no autotuner hook yet (operator/autotune/hook.py): "
-                "status.autotune will say NoData and nothing will be fixed")
         self.cluster.kubectl("delete", "llmd", NAME, "-n", NS, "--wait=true", "--timeout=60s", check=False)
         m = ks.llmd_manifest(NS, NAME, ENGINE, {**AUTOTUNE, "mode": "Off",
                                                 "prometheus": {"url": self.cluster.prometheus_url}},

@@ -112,10 +112,6 @@ def install_operator(cluster: LocalCluster, resync_s: int = 5) -> None:
     log("operator Ready")
 
 
-def autotuner_installed() -> bool:
-    return (ROOT / "operator" / "autotune" / "hook.py").exists()
-
-
 # --- the LLMDeployment ---------------------------------------------------------------
 def llmd_manifest(ns: str, name: str, engine: dict, autotune: dict, replicas: int = 1,
                   autoscaling: dict | None = None, cpu: str = "1") -> dict:
@@ -421,6 +417,6 @@ def _rfc3339(text: str) -> float:
     return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc).timestamp()
 
 
-__all__ = ["ClusterError", "LoadDriver", "Monitor", "SetupError", "Workload", "autotuner_installed",
+__all__ = ["ClusterError", "LoadDriver", "Monitor", "SetupError", "Workload",
            "deploy", "engine_pods", "get_llmd", "install_operator", "llmd_manifest", "log", "open_cluster",
            "pod_urls", "preemptions_total", "set_live", "wait_for"]
