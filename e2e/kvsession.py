@@ -391,6 +391,7 @@ class Monitor:
                    kv_pct=None if snap is None or snap.kv_usage_mean is None else 100 * snap.kv_usage_mean,
                    preempt_per_s=_num(snap and snap.preemptions_per_s),
                    queue_p95_s=_num(snap and snap.queue_time_p95_s),
+                   tpot_p95_ms=None if snap is None or snap.tpot_p95_s is None else 1000 * snap.tpot_p95_s,
                    max_num_seqs=eff.get("maxNumSeqs"), max_model_len=eff.get("maxModelLen"),
                    replicas=eff.get("replicas", status.get("replicas")), diagnosis=at.get("diagnosis"))
         self.samples.append(s)

@@ -20,6 +20,7 @@ class Sample:
     kv_pct: float | None = None
     preempt_per_s: float | None = None
     queue_p95_s: float | None = None
+    tpot_p95_ms: float | None = None
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     replicas: int | None = None
@@ -171,10 +172,12 @@ def format_table(rows: Sequence[tuple[str, dict]], slo: Slo, auto_key: str | Non
 # --- timeline PNG -----------------------------------------------------------------
 def write_timeline_png(samples: Sequence[Sample], changes: Sequence[Change], path: str | Path,
                        title: str = "kvpilot autotuner timeline",
-                       phases: Sequence[tuple[float, str]] = ()) -> Path:
-    """Five stacked panels over time (KV %, preemptions/s, queue p95, max_num_seqs,
-    replicas); every applied change is a dashed vertical line labelled on the top
-    panel; `phases` (t, name) are grey lines marking parts of a longer run."""
+                       phases: Sequence[tuple[float, str]] = (),
+                       objectives: dict[str, float] | None = None) -> Path:
+    """Stacked panels over time (KV %, preemptions/s, queue p95, TPOT p95, max_num_seqs,
+    replicas); every applied change is a dashed vertical line labelled on the top panel;
+    `phases` (t, name) are grey lines marking parts of a longer run; `objectives`
+    (panel key -> value) draws an objective as a green horizontal line."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -182,8 +185,8 @@ def write_timeline_png(samples: Sequence[Sample], changes: Sequence[Change], pat
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     panels = [("kv_pct", "KV cache %"), ("preempt_per_s", "preemptions/s"), ("queue_p95_s", "queue p95 (s)"),
-              ("max_num_seqs", "max_num_seqs"), ("replicas", "replicas")]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 9), sharex=True)
+              ("tpot_p95_ms", "TPOT p95 (ms)"), ("max_num_seqs", "max_num_seqs"), ("replicas", "replicas")]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 10.5), sharex=True)
     ts = [s.t for s in samples]
     for ax, (key, label) in zip(axes, panels):
         ys = [getattr(s, key) for s in samples]
@@ -198,6 +201,8 @@ def write_timeline_png(samples: Sequence[Sample], changes: Sequence[Change], pat
             ax.yaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_ylim(0, (max(ys) if ys else 1) * 1.15 + 0.5)
         ax.grid(True, alpha=0.3)
+        if objectives and key in objectives:
+            ax.axhline(objectives[key], color="tab:green", lw=1, alpha=0.8)
         for c in changes:
             if c.change:
                 ax.axvline(c.t, color="tab:red", ls="--", lw=1, alpha=0.8)

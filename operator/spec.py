@@ -111,6 +111,14 @@ class PrometheusSpec(Model):
                      max_length=1024)
 
 
+class Objectives(Model):
+    tpot: Optional[str] = Field(
+        default=None, pattern=DURATION_PATTERN,
+        description="TPOT objective: p95 over requests of each request's mean time per output "
+                    "token (e.g. 50ms). Set, the autotuner narrows the batch (max_num_seqs) when "
+                    "TPOT p95 exceeds it and never widens it past it; unset, TPOT is not tuned for.")
+
+
 class AutotuneSpec(Model):
     mode: Literal["Off", "Recommend", "Auto"] = Field(
         default="Off", description="Off: spec values; Recommend: report only; Auto: apply within bounds.")
@@ -122,6 +130,7 @@ class AutotuneSpec(Model):
     prometheus: PrometheusSpec = Field(default_factory=PrometheusSpec)
     max_num_seqs: IntRange = Field(default_factory=lambda: IntRange(min=1, max=1024))
     max_model_len: IntRange = Field(default_factory=lambda: IntRange(min=128, max=32768))
+    objectives: Objectives = Field(default_factory=Objectives)
     shared_prefix: bool = Field(
         default=False,
         description="Prompts share a prefix (a system prompt, a few-shot header): enables the "

@@ -11,7 +11,7 @@ from pydantic import ConfigDict, Field
 from .spec import Model
 
 ConditionType = Literal["Ready", "Progressing", "Degraded"]
-# PreemptionBound | SchedulerBound | KVCacheBound | LengthBound | HardwareBound | Healthy |
+# PreemptionBound | SchedulerBound | KVCacheBound | LengthBound | TPOTBound | HardwareBound | Healthy |
 # Idle | NoData. A plain string in the schema: a new diagnosis from the autotuner must never
 # make the API server refuse the whole status write.
 Diagnosis = str
@@ -44,6 +44,8 @@ class Decision(Model):
     applied: Optional[bool] = Field(default=None, description="False in Recommend mode.")
     target: Optional[str] = Field(default=None, description="The signal the change should improve.")
     baseline: Optional[float] = None
+    throughput_baseline: Optional[float] = Field(
+        default=None, description="Output tokens/s when decided; the change is reverted if it loses more than 15%.")
     verified: Optional[bool] = None
 
 
@@ -70,8 +72,11 @@ class Snapshot(Model):
     preemptions_per_second: Optional[float] = None
     queue_time_p95_seconds: Optional[float] = None
     ttft_p95_seconds: Optional[float] = None
+    tpot_p95_seconds: Optional[float] = None
+    generation_tokens_per_second: Optional[float] = None
     num_waiting: Optional[float] = None
     num_running: Optional[float] = None
+    running_min: Optional[float] = Field(default=None, description="Running at the window's emptiest sample.")
     request_rate_per_second: Optional[float] = None
     request_len_p99: Optional[float] = None
     prefix_hit_rate: Optional[float] = None
@@ -85,7 +90,7 @@ class AutotuneStatus(Model):
     the operator's own notes (message, recommendation)."""
     diagnosis: Optional[Diagnosis] = Field(
         default=None, description="PreemptionBound, SchedulerBound, KVCacheBound, LengthBound, "
-                                  "HardwareBound, Healthy, Idle or NoData.")
+                                  "TPOTBound, HardwareBound, Healthy, Idle or NoData.")
     message: Optional[str] = None
     recommendation: Optional[Effective] = Field(default=None, description="What Recommend mode would apply.")
     last_decision: Optional[Decision] = None

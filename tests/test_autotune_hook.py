@@ -9,7 +9,7 @@ import functools
 import pytest
 from prometheus_client import REGISTRY
 
-from kvpilot.operator.autotune.hook import SERIES_LABEL, autotune_step, parse_duration
+from kvpilot.operator.autotune.hook import SERIES_LABEL, autotune_step, parse_duration, thresholds_for
 from kvpilot.operator.autotune.report import rfc3339
 from kvpilot.operator.autotune.signals import PodSettings, Snapshot
 from kvpilot.operator.objects import Owner
@@ -296,3 +296,11 @@ def test_kube_sends_scale_patches_and_events_as_json_objects():
     ev = json.loads(b2)
     assert ev["reason"] == "AutotuneChange" and ev["involvedObject"]["kind"] == "LLMDeployment"
     assert (m3, u3) == ("GET", "http://api/apis/autoscaling/v2/namespaces/demo/horizontalpodautoscalers")
+
+
+def test_the_tpot_objective_reaches_the_policy_and_a_bad_one_is_refused():
+    assert thresholds_for(parse_spec({"spec": spec_body()})).tpot_objective_s is None
+    t = thresholds_for(parse_spec({"spec": spec_body(objectives={"tpot": "50ms"})}))
+    assert t.tpot_objective_s == 0.05 and t.cooldown_s == 10.0
+    with pytest.raises(ValueError, match="tpot"):
+        parse_spec({"spec": spec_body(objectives={"tpot": "fast"})})

@@ -272,10 +272,11 @@ def test_no_decision_leaves_the_bounds(seqs, mlen, replicas, kv_mean, kv_extra, 
 # --- hysteresis -------------------------------------------------------------------------
 
 def test_preemption_hysteresis_enter_and_exit_levels():
-    mild = snap(**dict(PREEMPTING, preemptions_per_s=0.05))  # between exit 0.02 and enter 0.1
+    # between exit 0.02/s and enter 0.1/s (0.2 per finished request: above both of those levels)
+    mild = snap(**dict(PREEMPTING, preemptions_per_s=0.05, request_rate_per_s=0.25))
     assert run(mild).diagnosis is not Diagnosis.PREEMPTION_BOUND
     assert run(mild, history=past(Diagnosis.PREEMPTION_BOUND)).diagnosis is Diagnosis.PREEMPTION_BOUND
-    low = snap(**dict(PREEMPTING, preemptions_per_s=0.01))
+    low = snap(**dict(PREEMPTING, preemptions_per_s=0.01, request_rate_per_s=0.25))
     assert run(low, history=past(Diagnosis.PREEMPTION_BOUND)).diagnosis is not Diagnosis.PREEMPTION_BOUND
 
 

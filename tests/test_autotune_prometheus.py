@@ -43,6 +43,9 @@ def healthy_answers(age=5.0):
         "vllm:time_to_first_token_seconds_bucket": scalar(0.3),
         "vllm:num_requests_waiting": scalar(3.0),
         "vllm:num_requests_running": scalar(12.0),
+        "min_over_time(vllm:num_requests_running": scalar(9.0),
+        "vllm:request_time_per_output_token_seconds_bucket": scalar(0.045),
+        "vllm:generation_tokens_total": scalar(480.0),
         "vllm:e2e_request_latency_seconds_count": scalar(4.0),
         "vllm:request_prompt_tokens_bucket": scalar(700.0),
         "vllm:prefix_cache_hits_total": scalar(0.6),
@@ -71,6 +74,10 @@ def test_queries_use_the_exact_vllm_metric_names_and_the_selector():
     assert q["num_waiting"] == f"sum(avg_over_time(vllm:num_requests_waiting{{{SEL}}}[300s]))"
     assert q["num_running"] == f"sum(avg_over_time(vllm:num_requests_running{{{SEL}}}[300s]))"
     assert q["request_rate_per_s"] == f"sum(rate(vllm:e2e_request_latency_seconds_count{{{SEL}}}[300s]))"
+    assert q["tpot_p95_s"] == (f"histogram_quantile(0.95, sum by (le) "
+                               f"(rate(vllm:request_time_per_output_token_seconds_bucket{{{SEL}}}[300s])))")
+    assert q["generation_tokens_per_s"] == f"sum(rate(vllm:generation_tokens_total{{{SEL}}}[300s]))"
+    assert q["running_min"] == f"sum(min_over_time(vllm:num_requests_running{{{SEL}}}[300s]))"
     assert "vllm:request_prompt_tokens_bucket{" in q["request_len_p99"]
     assert "vllm:request_generation_tokens_bucket{" in q["request_len_p99"]
     assert q["request_len_p99"].count("histogram_quantile(0.995,") == 2
@@ -97,6 +104,7 @@ def test_snapshot_from_canned_results():
     assert s.preemptions_per_s == 0.25 and s.queue_time_p95_s == 1.5 and s.ttft_p95_s == 0.3
     assert (s.num_waiting, s.num_running, s.request_rate_per_s) == (3.0, 12.0, 4.0)
     assert s.request_len_p99 == 700.0 and s.prefix_hit_rate == 0.6
+    assert (s.tpot_p95_s, s.generation_tokens_per_s, s.running_min) == (0.045, 480.0, 9.0)
     assert s.length_refusals_per_s is None and s.missing == ("length_refusals_per_s",)
     assert s.stale == ()
     assert s.pods == (PodSettings("tiny-a", 64, 2048), PodSettings("tiny-b", 48, 2048))

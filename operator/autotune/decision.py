@@ -14,6 +14,7 @@ class Diagnosis(str, Enum):
     SCHEDULER_BOUND = "SchedulerBound"  # queueing while the KV cache has room: max_num_seqs binds
     KV_CACHE_BOUND = "KVCacheBound"  # queueing with the cache full and lengths far below max_model_len
     LENGTH_BOUND = "LengthBound"  # requests refused for length
+    TPOT_BOUND = "TPOTBound"  # TPOT p95 above the objective: the decode batch is too wide
     HARDWARE_BOUND = "HardwareBound"  # queueing with no tuning headroom left
     HEALTHY = "Healthy"
     IDLE = "Idle"
@@ -69,9 +70,20 @@ class Thresholds:
     condition starts at the enter level and, once it was the diagnosis, holds until the
     signal crosses the (easier) exit level."""
 
-    # Preemption: rate(vllm:num_preemptions_total), deployment-wide, per second.
+    # Preemption: rate(vllm:num_preemptions_total), deployment-wide, per second, and per
+    # finished request (a busy deployment preempts more per second for the same harm).
     preempt_enter_per_s: float = 0.1
     preempt_exit_per_s: float = 0.02
+    preempt_per_request_enter: float = 0.1
+    preempt_per_request_exit: float = 0.05
+    # The user's TPOT objective (p95 of each request's mean time per output token), from
+    # spec.autotune.objectives.tpot; None turns the TPOT rules off.
+    tpot_objective_s: float | None = None
+    # Narrowing aims at objective x tpot_target_ratio; max_num_seqs is not raised while TPOT
+    # p95 is above objective x tpot_raise_ratio. Between the two lies the dead band that
+    # keeps the batch from see-sawing (the TPOT histogram's buckets are coarse: 25/50/75ms).
+    tpot_target_ratio: float = 0.9
+    tpot_raise_ratio: float = 0.9
     # Queueing: p95 of vllm:request_queue_time_seconds, or mean requests waiting (all pods).
     queue_enter_s: float = 0.5
     queue_exit_s: float = 0.2
@@ -85,6 +97,8 @@ class Thresholds:
     kv_low_exit: float = 0.65
     # Raising max_num_seqs never projects the peak KV usage above this.
     kv_raise_target: float = 0.85
+    # max_num_seqs binds when the mean running count is at least this fraction of it.
+    running_at_cap: float = 0.9
     # Idle: completions and requests in flight (running + waiting) below these.
     idle_rate_per_s: float = 0.01
     idle_inflight: float = 0.1
@@ -110,9 +124,12 @@ class Thresholds:
         "num_waiting": 1.0,
         "length_refusals_per_s": 0.01,
     })
-    revert_replicas: bool = False
+    revert_replicas: bool = False  # a worse queue after scale-out usually means more load
+    # A max_num_seqs / max_model_len change made for preemption or queueing is also
+    # reverted when output tokens/s fell by more than this fraction (it cost throughput).
+    throughput_drop_rel: float = 0.15
     # Diagnose-only warning: prefix-cache hit rate below this while prompts share a prefix.
-    prefix_hit_low: float = 0.2  # a worse queue after scale-out usually means more load
+    prefix_hit_low: float = 0.2
 
 
 @dataclass(frozen=True)
@@ -124,6 +141,7 @@ class Decision:
     change: dict = field(default_factory=dict)  # setting -> (old, new)
     target: str | None = None  # the Snapshot signal this change means to lower
     baseline: float | None = None  # its value when the change was decided
+    throughput_baseline: float | None = None  # output tokens/s then, when the throughput guard applies
     verifies: float | None = None  # time of the earlier change this decision judged
     verified: bool | None = None  # that judgement: True kept, False got worse, None inconclusive
 

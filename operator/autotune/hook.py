@@ -71,7 +71,9 @@ def default_reader(url: str) -> Reader:
 
 
 def thresholds_for(spec: LLMDeploymentSpec) -> Thresholds:
-    return Thresholds(cooldown_s=parse_duration(spec.autotune.cooldown))
+    tpot = spec.autotune.objectives.tpot
+    return Thresholds(cooldown_s=parse_duration(spec.autotune.cooldown),
+                      tpot_objective_s=parse_duration(tpot) if tpot else None)
 
 
 def bounds_for(spec: LLMDeploymentSpec) -> Bounds:

@@ -5,12 +5,13 @@ Order of business each interval:
 1. a setting outside the spec's bounds is clamped back (always, whatever the data);
 2. missing or stale data -> NoData, no decision;
 3. the diagnosis, with hysteresis (enter/exit levels chosen by the last diagnosis);
-4. the last applied change is verified once a whole window after it is in: if the
-   signal it targeted got worse, the answer is its revert;
-5. holds: still verifying, pods not yet reporting the settings, cooldown;
+4. the last applied change is verified once a whole window after it is in (verify.py):
+   if the signal it targeted got worse, or it cost throughput, the answer is its revert;
+5. holds: still verifying, pods not yet reporting the settings, cooldown, a window that
+   is not all under load (ramp-up);
 6. the rule for the diagnosis, in the order a person would diagnose: idle, preemption,
-   length refusals, then queueing split by KV usage (scheduler cap, long max_model_len,
-   hardware).
+   length refusals, TPOT over the user's objective, then queueing split by what binds
+   (the max_num_seqs cap, a long max_model_len, the hardware).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from .capacity import CapacityPlan
 from .decision import Action, Bounds, Decision, Diagnosis, Settings, Thresholds
 from .history import History
 from .signals import Snapshot
+from .verify import ago, fmt_change, judge_last_change, signal, throughput_baseline
 
 DEFAULT_THRESHOLDS = Thresholds()
 _QUEUE_BOUND = (Diagnosis.SCHEDULER_BOUND, Diagnosis.KV_CACHE_BOUND, Diagnosis.HARDWARE_BOUND)
-_PRESSURE = _QUEUE_BOUND + (Diagnosis.PREEMPTION_BOUND,)
+_PRESSURE = _QUEUE_BOUND + (Diagnosis.PREEMPTION_BOUND, Diagnosis.TPOT_BOUND)
 
 
 def decide(
@@ -52,33 +54,15 @@ def decide(
 
     diagnosis, evidence = _diagnose(snapshot, current, bounds, history, thresholds)
 
-    # Verification of the last applied change.
-    verifies = verified = None
-    pending = history.pending_verification()
-    if pending is not None:
-        d = pending.decision
-        if snapshot.time - snapshot.window_s < d.time:
-            wait = d.time + snapshot.window_s - snapshot.time
-            return Decision(now, diagnosis, Action.HOLD,
-                            f"{evidence}; verifying {_fmt_change(d.change)} of {_ago(now, d.time)}: "
-                            f"a full window after it is in {wait:.0f}s")
-        value = _signal(snapshot, d.target)
-        worse = value > d.baseline * (1 + thresholds.worse_rel) + thresholds.worse_abs.get(d.target, 0.0)
-        undo = {k: (new, old) for k, (old, new) in d.change.items()
-                if getattr(current, k) == new and (k != "replicas" or thresholds.revert_replicas)}
-        undo = {k: (a, bounds.of(k).clamp(b)) for k, (a, b) in undo.items() if a != bounds.of(k).clamp(b)}
-        verifies = d.time
-        judged = (f"{d.target} {_fmt(d.target, d.baseline)} -> {_fmt(d.target, value)} "
-                  f"after {_fmt_change(d.change)}")
-        if worse and undo and not (current.hpa_owns_scale and "replicas" in undo):
-            return Decision(now, diagnosis, Action.REVERT,
-                            f"verification failed: {judged} got worse; reverting {_fmt_change(undo)}",
-                            change=undo, verifies=verifies, verified=False)
-        verified = (not worse) if all(getattr(current, k) == new for k, (_, new) in d.change.items()) else None
-        if worse:
-            evidence = f"{evidence}; verification: {judged} got worse (not reverted)"
-        elif verified:
-            evidence = f"{evidence}; verified: {judged}"
+    verdict = judge_last_change(snapshot, current, bounds, history, now, thresholds)
+    if verdict.wait:
+        return Decision(now, diagnosis, Action.HOLD, f"{evidence}; {verdict.wait}")
+    if verdict.revert:
+        return Decision(now, diagnosis, Action.REVERT, verdict.note, change=verdict.revert,
+                        verifies=verdict.verifies, verified=False)
+    verifies, verified = verdict.verifies, verdict.verified
+    if verdict.note:
+        evidence = f"{evidence}; {verdict.note}"
 
     def hold(reason: str) -> Decision:
         return Decision(now, diagnosis, Action.HOLD, reason, verifies=verifies, verified=verified)
@@ -91,7 +75,12 @@ def decide(
     last = history.last_applied()
     if last is not None and now - last.decision.time < thresholds.cooldown_s:
         left = thresholds.cooldown_s - (now - last.decision.time)
-        return hold(f"{evidence}; cooldown after {_fmt_change(last.decision.change)}: {left:.0f}s left")
+        return hold(f"{evidence}; cooldown after {fmt_change(last.decision.change)}: {left:.0f}s left")
+    if diagnosis in _PRESSURE and snapshot.running_min is not None and snapshot.running_min < 0.5:
+        # A window that starts idle (load ramping up, or a pause) is no baseline: a change
+        # made on it would be judged against a fully loaded window and look like harm.
+        return hold(f"{evidence}; no request was running at some point in the window (load began "
+                    f"or paused within it): waiting for a whole window of steady load")
 
     proposal = _act(diagnosis, snapshot, current, bounds, history, now, capacity, thresholds)
     if proposal is None:
@@ -99,8 +88,10 @@ def decide(
     change, target, extra, diagnosis = proposal
     if not change:
         return hold(f"{evidence}; {extra}")
+    guarded = target is not None and "replicas" not in change and target != "tpot_p95_s"
     return Decision(now, diagnosis, Action.CHANGE, f"{evidence}; {extra}", change=change,
-                    target=target, baseline=_signal(snapshot, target) if target else None,
+                    target=target, baseline=signal(snapshot, target) if target else None,
+                    throughput_baseline=throughput_baseline(snapshot, thresholds) if guarded else None,
                     verifies=verifies, verified=verified)
 
 
@@ -138,20 +129,33 @@ def _diagnose(s: Snapshot, cur: Settings, bounds: Bounds, history: History,
     if s.request_rate_per_s < t.idle_rate_per_s and s.num_running + s.num_waiting < t.idle_inflight:
         return Diagnosis.IDLE, (f"idle: {s.request_rate_per_s:.3f} req/s, "
                                 f"{s.num_running + s.num_waiting:.2f} in flight")
-    if s.preemptions_per_s >= preempt_level:
+    per_request_level = (t.preempt_per_request_exit if prev is Diagnosis.PREEMPTION_BOUND
+                         else t.preempt_per_request_enter)
+    per_request = s.preemptions_per_s / s.request_rate_per_s if s.request_rate_per_s > 0 else math.inf
+    if s.preemptions_per_s >= preempt_level and per_request >= per_request_level:
+        per = "" if math.isinf(per_request) else f", {per_request:.2f} per finished request"
         return Diagnosis.PREEMPTION_BOUND, (
-            f"preemptions {s.preemptions_per_s:.2f}/s (>= {preempt_level:g}/s) with {kv}: "
-            f"the engine recomputes evicted sequences instead of serving")
+            f"preemptions {s.preemptions_per_s:.2f}/s{per} (>= {preempt_level:g}/s and "
+            f"{per_request_level:g}) with {kv}: the engine recomputes evicted sequences instead of serving")
     refusals = s.length_refusals_per_s
     if refusals is not None and refusals > t.refusal_enter_per_s:
         return Diagnosis.LENGTH_BOUND, (
             f"{refusals:.2f} requests/s refused for length at max_model_len={cur.max_model_len}")
+    objective = t.tpot_objective_s
+    if objective is not None and s.tpot_p95_s is not None and s.tpot_p95_s > objective:
+        return Diagnosis.TPOT_BOUND, (
+            f"TPOT p95 {1000 * s.tpot_p95_s:.0f}ms > the {1000 * objective:.0f}ms objective with "
+            f"{s.num_running:.1f} running: each decode step serves too wide a batch")
     queueing = queue_p95 >= queue_level or s.num_waiting >= waiting_level
     if not queueing:
         return Diagnosis.HEALTHY, f"healthy: {queue}, {kv}, {s.preemptions_per_s:.2f} preemptions/s"
     if s.kv_usage_max < low_level:
         return Diagnosis.SCHEDULER_BOUND, (
             f"{queue} while {kv} (peak < {low_level:.0%}): max_num_seqs={cur.max_num_seqs} binds")
+    if s.num_running >= t.running_at_cap * cur.max_num_seqs and s.kv_usage_mean < t.kv_full_exit:
+        return Diagnosis.SCHEDULER_BOUND, (
+            f"{queue} while {s.num_running:.1f} run (max_num_seqs={cur.max_num_seqs}) and {kv}: "
+            f"the cap binds before the cache does")
     if s.kv_usage_mean >= full_level and _len_target(s, cur, bounds, t) is not None:
         return Diagnosis.KV_CACHE_BOUND, (
             f"{queue} with the cache full ({kv}) and p99 request length {s.request_len_p99:.0f} "
@@ -190,9 +194,19 @@ def _act(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, histo
         new = bounds.max_model_len.clamp(_round_up(want, cur.block_size))
         return ({"max_model_len": (cur.max_model_len, new)}, "length_refusals_per_s",
                 f"raise max_model_len {cur.max_model_len} -> {new}", diagnosis)
+    if diagnosis is Diagnosis.TPOT_BOUND:
+        new = _lower_seqs_for_tpot(s, cur, bounds, t)
+        blocked = _blocked(history, "max_num_seqs", -1, now, t)
+        if new is not None and not blocked:
+            return ({"max_num_seqs": (cur.max_num_seqs, new)}, "tpot_p95_s",
+                    f"lower max_num_seqs {cur.max_num_seqs} -> {new} (the batch width scaled "
+                    f"to aim at {t.tpot_target_ratio:g} x the objective)", diagnosis)
+        note = blocked or f"max_num_seqs cannot go lower usefully (at {cur.max_num_seqs}, bound {bounds.max_num_seqs.min})"
+        return _scale_out(cur, bounds, history, s, t, note, Diagnosis.HARDWARE_BOUND)
     if diagnosis is Diagnosis.SCHEDULER_BOUND:
         new = _raise_seqs(s, cur, bounds, t)
-        blocked = _blocked(history, "max_num_seqs", +1, now, t)
+        tpot_block = _tpot_blocks_raise(s, t)
+        blocked = _blocked(history, "max_num_seqs", +1, now, t) or tpot_block
         if new is not None and not blocked:
             # Judged by the number waiting, not queue p95: queue time is recorded when a
             # request leaves the queue, so right after a raise the whole backlog is admitted
@@ -200,7 +214,8 @@ def _act(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, histo
             return ({"max_num_seqs": (cur.max_num_seqs, new)}, "num_waiting",
                     f"raise max_num_seqs {cur.max_num_seqs} -> {new}", diagnosis)
         note = blocked or f"max_num_seqs already at its limit {_seqs_ceiling(cur, bounds)}"
-        return _scale_out(cur, bounds, history, s, t, note, diagnosis)
+        # Too slow per step for a wider batch: the hardware, not the cap, is what binds.
+        return _scale_out(cur, bounds, history, s, t, note, Diagnosis.HARDWARE_BOUND if tpot_block else diagnosis)
     if diagnosis is Diagnosis.KV_CACHE_BOUND:
         new = _len_target(s, cur, bounds, t)
         blocked = _blocked(history, "max_model_len", -1, now, t)
@@ -277,8 +292,36 @@ def _raise_seqs(s: Snapshot, cur: Settings, bounds: Bounds, t: Thresholds) -> in
     # Keep the projected peak KV usage (usage scales with admitted sequences) under target.
     projected = math.floor(n * t.kv_raise_target / max(s.kv_usage_max, 1e-3))
     new = min(new, max(n + 1, projected))
+    if t.tpot_objective_s is not None and s.tpot_p95_s:
+        # TPOT taken as proportional to width: keeps the wider batch under the objective.
+        width = max(1.0, min(n, s.num_running))
+        new = min(new, max(n + 1, math.floor(width * t.tpot_objective_s * t.tpot_raise_ratio / s.tpot_p95_s)))
     new = min(new, _seqs_ceiling(cur, bounds))
     return new if new > n else None
+
+
+def _lower_seqs_for_tpot(s: Snapshot, cur: Settings, bounds: Bounds, t: Thresholds) -> int | None:
+    """The batch width that brings TPOT to objective x tpot_target_ratio, supposing step
+    time proportional to width (it has a fixed part too, so this cuts too little rather than
+    too much; the next interval takes another step). The width is what runs, not the cap
+    above it; at most half of it in one step. None when one sequence already runs alone or
+    the bound stops it."""
+    width = min(cur.max_num_seqs, s.num_running)
+    if width < 2:
+        return None
+    want = math.floor(width * t.tpot_objective_s * t.tpot_target_ratio / s.tpot_p95_s)
+    new = max(want, math.ceil(width * t.seq_max_decrease), 1)
+    new = bounds.max_num_seqs.clamp(min(new, cur.max_num_seqs - 1))
+    return new if new < cur.max_num_seqs else None
+
+
+def _tpot_blocks_raise(s: Snapshot, t: Thresholds) -> str | None:
+    if t.tpot_objective_s is None or s.tpot_p95_s is None:
+        return None
+    if s.tpot_p95_s < t.tpot_objective_s * t.tpot_raise_ratio:
+        return None
+    return (f"TPOT p95 {1000 * s.tpot_p95_s:.0f}ms is already near the {1000 * t.tpot_objective_s:.0f}ms "
+            f"objective, so a wider batch would break it")
 
 
 def _len_target(s: Snapshot, cur: Settings, bounds: Bounds, t: Thresholds) -> int | None:
@@ -304,9 +347,9 @@ def _blocked(history: History, setting: str, direction: int, now: float, t: Thre
         old, new = d.change[setting]
         moved = (new > old) - (new < old)
         if d.action is Action.REVERT and moved == -direction:
-            return f"{setting} was reverted {_ago(now, d.time)}; not retrying that move yet"
+            return f"{setting} was reverted {ago(now, d.time)}; not retrying that move yet"
         if setting == "max_model_len" and direction < 0 and moved > 0:
-            return f"max_model_len was raised {_ago(now, d.time)}; not lowering it again yet"
+            return f"max_model_len was raised {ago(now, d.time)}; not lowering it again yet"
     return None
 
 
@@ -324,26 +367,5 @@ def _clamp_to_bounds(cur: Settings, bounds: Bounds) -> dict:
     return out
 
 
-def _signal(s: Snapshot, name: str) -> float:
-    v = getattr(s, name)
-    return 0.0 if v is None else float(v)  # an empty quantile means nothing waited
-
-
 def _round_up(x: float, block: int) -> int:
     return max(block, math.ceil(x / block) * block)
-
-
-def _fmt(name: str, v: float) -> str:
-    if name.endswith("_s") and not name.endswith("per_s"):
-        return f"{v:.2f}s"
-    if name.endswith("per_s"):
-        return f"{v:.2f}/s"
-    return f"{v:.1f}"
-
-
-def _fmt_change(change: dict) -> str:
-    return ", ".join(f"{k} {a} -> {b}" for k, (a, b) in change.items())
-
-
-def _ago(now: float, then: float) -> str:
-    return f"{now - then:.0f}s ago"

@@ -6,7 +6,12 @@ config's relabelling) and aggregates over the pods:
 
 - KV usage: avg and max of `avg_over_time` / `max_over_time` of vllm:kv_cache_usage_perc;
 - preemptions/s: sum of rate(vllm:num_preemptions_total);
-- queue time and TTFT p95: histogram_quantile over the summed bucket rates;
+- queue time, TTFT and TPOT p95: histogram_quantile over the summed bucket rates (TPOT
+  is vllm:request_time_per_output_token_seconds, each request's mean: the quantity a
+  TPOT objective and the benchmark's goodput judge);
+- output tokens/s: sum of rate(vllm:generation_tokens_total) (the throughput guard);
+- running at the emptiest moment: each pod's min_over_time of vllm:num_requests_running,
+  summed over pods; 0 says load began or paused within the window;
 - waiting / running: the sum over pods of each pod's mean over the window;
 - request rate: sum of rate(vllm:e2e_request_latency_seconds_count) (finished requests);
 - request length p99 (prompt + generation): the sum of the 99.5th percentiles of the
@@ -51,6 +56,9 @@ SOURCES = {
     "preemptions_per_s": "vllm:num_preemptions_total",
     "queue_time_p95_s": "vllm:request_queue_time_seconds_bucket",
     "ttft_p95_s": "vllm:time_to_first_token_seconds_bucket",
+    "tpot_p95_s": "vllm:request_time_per_output_token_seconds_bucket",
+    "generation_tokens_per_s": "vllm:generation_tokens_total",
+    "running_min": "vllm:num_requests_running",
     "num_waiting": "vllm:num_requests_waiting",
     "num_running": "vllm:num_requests_running",
     "request_rate_per_s": "vllm:e2e_request_latency_seconds_count",
@@ -106,6 +114,9 @@ def build_queries(target: Target, window_s: float, refusal_metric: str = DEFAULT
         "preemptions_per_s": rate("vllm:num_preemptions_total"),
         "queue_time_p95_s": quantile(0.95, "vllm:request_queue_time_seconds"),
         "ttft_p95_s": quantile(0.95, "vllm:time_to_first_token_seconds"),
+        "tpot_p95_s": quantile(0.95, "vllm:request_time_per_output_token_seconds"),
+        "generation_tokens_per_s": rate("vllm:generation_tokens_total"),
+        "running_min": f"sum(min_over_time(vllm:num_requests_running{{{sel}}}[{w}]))",
         "num_waiting": f"sum(avg_over_time(vllm:num_requests_waiting{{{sel}}}[{w}]))",
         "num_running": f"sum(avg_over_time(vllm:num_requests_running{{{sel}}}[{w}]))",
         "request_rate_per_s": rate("vllm:e2e_request_latency_seconds_count"),

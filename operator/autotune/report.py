@@ -40,6 +40,7 @@ class DecisionStatus(_Model):
     applied: Optional[bool] = None
     target: Optional[str] = None
     baseline: Optional[float] = None
+    throughput_baseline: Optional[float] = None  # output tokens/s the change must not lose
     verified: Optional[bool] = None
 
 
@@ -51,8 +52,11 @@ class SnapshotStatus(_Model):
     preemptions_per_second: Optional[float] = None
     queue_time_p95_seconds: Optional[float] = None
     ttft_p95_seconds: Optional[float] = None
+    tpot_p95_seconds: Optional[float] = None
+    generation_tokens_per_second: Optional[float] = None
     num_waiting: Optional[float] = None
     num_running: Optional[float] = None
+    running_min: Optional[float] = None
     request_rate_per_second: Optional[float] = None
     request_len_p99: Optional[float] = None
     prefix_hit_rate: Optional[float] = None
@@ -83,7 +87,9 @@ def decision_status(d: Decision, applied: bool | None = None, verified: bool | N
         time=rfc3339(d.time), diagnosis=d.diagnosis.value, action=d.action.value,
         change={_CAMEL[k]: [int(a), int(b)] for k, (a, b) in d.change.items()},
         reason=d.reason, applied=applied, target=d.target,
-        baseline=None if d.baseline is None else round(d.baseline, 4), verified=verified,
+        baseline=None if d.baseline is None else round(d.baseline, 4),
+        throughput_baseline=None if d.throughput_baseline is None else round(d.throughput_baseline, 2),
+        verified=verified,
     )
 
 
@@ -95,7 +101,9 @@ def snapshot_status(s: Snapshot) -> SnapshotStatus:
         time=rfc3339(s.time), window_seconds=s.window_s,
         kv_usage_mean=r(s.kv_usage_mean), kv_usage_max=r(s.kv_usage_max),
         preemptions_per_second=r(s.preemptions_per_s), queue_time_p95_seconds=r(s.queue_time_p95_s),
-        ttft_p95_seconds=r(s.ttft_p95_s), num_waiting=r(s.num_waiting), num_running=r(s.num_running),
+        ttft_p95_seconds=r(s.ttft_p95_s), tpot_p95_seconds=r(s.tpot_p95_s),
+        generation_tokens_per_second=r(s.generation_tokens_per_s),
+        num_waiting=r(s.num_waiting), num_running=r(s.num_running), running_min=r(s.running_min),
         request_rate_per_second=r(s.request_rate_per_s), request_len_p99=r(s.request_len_p99),
         prefix_hit_rate=r(s.prefix_hit_rate), length_refusals_per_second=r(s.length_refusals_per_s),
         missing=list(s.missing), stale=list(s.stale),
@@ -131,7 +139,7 @@ def history_from_status(status: dict | None, limit: int = 20) -> History:
         d = Decision(
             time=_parse_time(item.time), diagnosis=Diagnosis(item.diagnosis), action=Action(item.action),
             reason=item.reason, change={_SNAKE[k]: (v[0], v[1]) for k, v in item.change.items()},
-            target=item.target, baseline=item.baseline,
+            target=item.target, baseline=item.baseline, throughput_baseline=item.throughput_baseline,
         )
         entries.append(HistoryEntry(d, applied=bool(item.applied),
                                     checked=item.verified is not None, verified=item.verified))

@@ -17,7 +17,8 @@ REQUIRED_SIGNALS = (
     "request_rate_per_s",
 )
 # Signals some rules use when present; their absence disables only those rules.
-OPTIONAL_SIGNALS = ("ttft_p95_s", "request_len_p99", "prefix_hit_rate", "length_refusals_per_s",
+OPTIONAL_SIGNALS = ("ttft_p95_s", "tpot_p95_s", "generation_tokens_per_s", "running_min",
+                    "request_len_p99", "prefix_hit_rate", "length_refusals_per_s",
                     "kv_cache_bytes", "kv_bytes_per_token")
 
 
@@ -50,6 +51,11 @@ class Snapshot:
     preemptions_per_s: float | None = None
     queue_time_p95_s: float | None = None
     ttft_p95_s: float | None = None
+    tpot_p95_s: float | None = None  # p95 over requests of each one's mean time per output token
+    generation_tokens_per_s: float | None = None  # output tokens/s: the throughput guard
+    # Requests running (summed over pods) at each pod's emptiest sample of the window: 0
+    # means load began or paused inside it, so the window is not one of steady load.
+    running_min: float | None = None
     num_waiting: float | None = None
     num_running: float | None = None
     request_rate_per_s: float | None = None

@@ -1,0 +1,106 @@
+"""Verification of the autotuner's last applied change, once a whole metrics window after
+it is in: did the signal it targeted get worse, did it cost throughput, did a raise of
+max_num_seqs bring preemptions? Pure, like the policy that calls it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .decision import Bounds, Settings, Thresholds
+from .history import History
+from .signals import Snapshot
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the policy learns about its last change this interval."""
+
+    verifies: float | None = None  # time of the change judged (None: nothing judged)
+    verified: bool | None = None  # True kept, False got worse, None inconclusive
+    wait: str | None = None  # still inside its verification window: hold, saying this
+    revert: dict = field(default_factory=dict)  # setting -> (now, back): undo it
+    note: str = ""  # the judgement, for the reason
+
+
+def judge_last_change(s: Snapshot, cur: Settings, bounds: Bounds, history: History, now: float,
+                      t: Thresholds) -> Verdict:
+    pending = history.pending_verification()
+    if pending is None:
+        return Verdict()
+    d = pending.decision
+    if s.time - s.window_s < d.time:
+        wait = d.time + s.window_s - s.time
+        return Verdict(wait=f"verifying {fmt_change(d.change)} of {ago(now, d.time)}: "
+                            f"a full window after it is in {wait:.0f}s")
+    value = signal(s, d.target)
+    judged = f"{d.target} {fmt(d.target, d.baseline)} -> {fmt(d.target, value)} after {fmt_change(d.change)}"
+    problems = []
+    if value > d.baseline * (1 + t.worse_rel) + t.worse_abs.get(d.target, 0.0):
+        problems.append(f"{judged} got worse")
+    lost = _throughput_lost(s, d.throughput_baseline, t)
+    if lost:
+        problems.append(f"{lost} after {fmt_change(d.change)}")
+    raised = d.change.get("max_num_seqs")
+    if raised and raised[1] > raised[0] and _preempting(s, t):
+        problems.append(f"preemptions rose to {s.preemptions_per_s:.2f}/s after {fmt_change(d.change)}")
+
+    undo = {k: (new, old) for k, (old, new) in d.change.items()
+            if getattr(cur, k) == new and (k != "replicas" or t.revert_replicas)}
+    undo = {k: (a, bounds.of(k).clamp(b)) for k, (a, b) in undo.items() if a != bounds.of(k).clamp(b)}
+    if problems and undo and not (cur.hpa_owns_scale and "replicas" in undo):
+        return Verdict(d.time, False, revert=undo,
+                       note=f"verification failed: {'; '.join(problems)}; reverting {fmt_change(undo)}")
+    still_in = all(getattr(cur, k) == new for k, (_, new) in d.change.items())
+    verified = (not problems) if still_in else None
+    if problems:
+        return Verdict(d.time, verified, note=f"verification: {'; '.join(problems)} (not reverted)")
+    return Verdict(d.time, verified, note=f"verified: {judged}" if verified else "")
+
+
+def throughput_baseline(s: Snapshot, t: Thresholds) -> float | None:
+    """Output tokens/s to guard a change with, when they measure capacity: only while
+    requests wait (otherwise tokens/s follow the offered load, not the settings)."""
+    if s.generation_tokens_per_s is None or s.generation_tokens_per_s <= 0:
+        return None
+    return s.generation_tokens_per_s if s.num_waiting >= t.waiting_exit else None
+
+
+def _throughput_lost(s: Snapshot, baseline: float | None, t: Thresholds) -> str | None:
+    # Judged only while requests still wait: a drop with an empty queue is less load.
+    if baseline is None or s.generation_tokens_per_s is None or s.num_waiting < t.waiting_exit:
+        return None
+    if s.generation_tokens_per_s >= baseline * (1 - t.throughput_drop_rel):
+        return None
+    drop = 1 - s.generation_tokens_per_s / baseline
+    return (f"output fell {baseline:.0f} -> {s.generation_tokens_per_s:.0f} tokens/s (-{drop:.0%}, "
+            f"more than {t.throughput_drop_rel:.0%}) with requests still waiting")
+
+
+def _preempting(s: Snapshot, t: Thresholds) -> bool:
+    if s.preemptions_per_s < t.preempt_enter_per_s:
+        return False
+    rate = s.request_rate_per_s or 0.0
+    return rate <= 0 or s.preemptions_per_s / rate >= t.preempt_per_request_enter
+
+
+# --- formatting shared with the policy ----------------------------------------------------
+
+def signal(s: Snapshot, name: str) -> float:
+    v = getattr(s, name)
+    return 0.0 if v is None else float(v)  # an empty quantile means nothing waited
+
+
+def fmt(name: str, v: float) -> str:
+    if name.endswith("_s") and not name.endswith("per_s"):
+        return f"{v:.2f}s"
+    if name.endswith("per_s"):
+        return f"{v:.2f}/s"
+    return f"{v:.1f}"
+
+
+def fmt_change(change: dict) -> str:
+    return ", ".join(f"{k} {a} -> {b}" for k, (a, b) in change.items())
+
+
+def ago(now: float, then: float) -> str:
+    return f"{now - then:.0f}s ago"
