@@ -78,6 +78,7 @@ class Snapshot(Model):
     num_running: Optional[float] = None
     running_min: Optional[float] = Field(default=None, description="Running at the window's emptiest sample.")
     request_rate_per_second: Optional[float] = None
+    request_latency_mean_seconds: Optional[float] = None
     request_len_p99: Optional[float] = None
     prefix_hit_rate: Optional[float] = None
     length_refusals_per_second: Optional[float] = None

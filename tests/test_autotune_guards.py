@@ -211,3 +211,18 @@ def test_the_throughput_baseline_survives_the_status_round_trip():
     h = applied(d)
     back = history_from_status(build_report(d, h).dump())
     assert back.entries[0].decision.throughput_baseline == 500.0
+
+
+def test_verification_waits_for_the_requests_in_flight_at_the_change_to_finish():
+    lowered = run(snap(**PREEMPTING))
+    cur = replace(CUR, max_num_seqs=lowered.change["max_num_seqs"][1])
+    slow = dict(PREEMPTING, preemptions_per_s=0.0, request_latency_mean_s=8.0)
+    early = run(snap(t=T0 + 70, **slow), cur=cur, history=applied(lowered))  # window starts 10s after
+    assert early.action is Action.HOLD and early.verifies is None
+    assert "16s for the requests it found in flight to finish in 6s" in early.reason
+    later = run(snap(t=T0 + 76, **slow), cur=cur, history=applied(lowered))
+    assert later.verifies == lowered.time and later.verified is True
+    # Never more than one extra window.
+    glacial = dict(slow, request_latency_mean_s=300.0)
+    assert run(snap(t=T0 + 119, **glacial), cur=cur, history=applied(lowered)).verifies is None
+    assert run(snap(t=T0 + 120, **glacial), cur=cur, history=applied(lowered)).verifies == lowered.time

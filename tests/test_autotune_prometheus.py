@@ -46,6 +46,7 @@ def healthy_answers(age=5.0):
         "min_over_time(vllm:num_requests_running": scalar(9.0),
         "vllm:request_time_per_output_token_seconds_bucket": scalar(0.045),
         "vllm:generation_tokens_total": scalar(480.0),
+        "rate(vllm:e2e_request_latency_seconds_sum": scalar(2.5),
         "vllm:e2e_request_latency_seconds_count": scalar(4.0),
         "vllm:request_prompt_tokens_bucket": scalar(700.0),
         "vllm:prefix_cache_hits_total": scalar(0.6),
@@ -77,6 +78,8 @@ def test_queries_use_the_exact_vllm_metric_names_and_the_selector():
     assert q["tpot_p95_s"] == (f"histogram_quantile(0.95, sum by (le) "
                                f"(rate(vllm:request_time_per_output_token_seconds_bucket{{{SEL}}}[300s])))")
     assert q["generation_tokens_per_s"] == f"sum(rate(vllm:generation_tokens_total{{{SEL}}}[300s]))"
+    assert q["request_latency_mean_s"] == (f"sum(rate(vllm:e2e_request_latency_seconds_sum{{{SEL}}}[300s])) / "
+                                           f"sum(rate(vllm:e2e_request_latency_seconds_count{{{SEL}}}[300s]))")
     assert q["running_min"] == f"sum(min_over_time(vllm:num_requests_running{{{SEL}}}[300s]))"
     assert "vllm:request_prompt_tokens_bucket{" in q["request_len_p99"]
     assert "vllm:request_generation_tokens_bucket{" in q["request_len_p99"]
@@ -105,6 +108,7 @@ def test_snapshot_from_canned_results():
     assert (s.num_waiting, s.num_running, s.request_rate_per_s) == (3.0, 12.0, 4.0)
     assert s.request_len_p99 == 700.0 and s.prefix_hit_rate == 0.6
     assert (s.tpot_p95_s, s.generation_tokens_per_s, s.running_min) == (0.045, 480.0, 9.0)
+    assert s.request_latency_mean_s == 2.5  # the canned answer to the whole sum/count query
     assert s.length_refusals_per_s is None and s.missing == ("length_refusals_per_s",)
     assert s.stale == ()
     assert s.pods == (PodSettings("tiny-a", 64, 2048), PodSettings("tiny-b", 48, 2048))

@@ -13,7 +13,8 @@ config's relabelling) and aggregates over the pods:
 - running at the emptiest moment: each pod's min_over_time of vllm:num_requests_running,
   summed over pods; 0 says load began or paused within the window;
 - waiting / running: the sum over pods of each pod's mean over the window;
-- request rate: sum of rate(vllm:e2e_request_latency_seconds_count) (finished requests);
+- request rate: sum of rate(vllm:e2e_request_latency_seconds_count) (finished requests),
+  and their mean latency (rate of the _sum over rate of the _count);
 - request length p99 (prompt + generation): the sum of the 99.5th percentiles of the
   prompt and the generation token histograms. The histograms are separate, so the p99
   of the sum cannot be read; but P(prompt + gen > a + b) <= P(prompt > a) + P(gen > b)
@@ -62,6 +63,7 @@ SOURCES = {
     "num_waiting": "vllm:num_requests_waiting",
     "num_running": "vllm:num_requests_running",
     "request_rate_per_s": "vllm:e2e_request_latency_seconds_count",
+    "request_latency_mean_s": "vllm:e2e_request_latency_seconds_count",
     "request_len_p99": "vllm:request_prompt_tokens_bucket",
     "prefix_hit_rate": "vllm:prefix_cache_queries_total",
     "kv_cache_bytes": "kvpilot:kv_cache_bytes",
@@ -120,6 +122,8 @@ def build_queries(target: Target, window_s: float, refusal_metric: str = DEFAULT
         "num_waiting": f"sum(avg_over_time(vllm:num_requests_waiting{{{sel}}}[{w}]))",
         "num_running": f"sum(avg_over_time(vllm:num_requests_running{{{sel}}}[{w}]))",
         "request_rate_per_s": rate("vllm:e2e_request_latency_seconds_count"),
+        "request_latency_mean_s": (f"{rate('vllm:e2e_request_latency_seconds_sum')} / "
+                                   f"{rate('vllm:e2e_request_latency_seconds_count')}"),
         "request_len_p99": (f"{quantile(0.995, 'vllm:request_prompt_tokens')}"
                             f" + {quantile(0.995, 'vllm:request_generation_tokens')}"),
         "prefix_hit_rate": f"{rate('vllm:prefix_cache_hits_total')} / {rate('vllm:prefix_cache_queries_total')}",

@@ -18,6 +18,7 @@ REQUIRED_SIGNALS = (
 )
 # Signals some rules use when present; their absence disables only those rules.
 OPTIONAL_SIGNALS = ("ttft_p95_s", "tpot_p95_s", "generation_tokens_per_s", "running_min",
+                    "request_latency_mean_s",
                     "request_len_p99", "prefix_hit_rate", "length_refusals_per_s",
                     "kv_cache_bytes", "kv_bytes_per_token")
 
@@ -59,6 +60,7 @@ class Snapshot:
     num_waiting: float | None = None
     num_running: float | None = None
     request_rate_per_s: float | None = None
+    request_latency_mean_s: float | None = None  # mean end-to-end latency of the finished requests
     request_len_p99: float | None = None  # prompt + generation tokens
     prefix_hit_rate: float | None = None  # 0..1
     length_refusals_per_s: float | None = None

@@ -28,10 +28,12 @@ def judge_last_change(s: Snapshot, cur: Settings, bounds: Bounds, history: Histo
     if pending is None:
         return Verdict()
     d = pending.decision
-    if s.time - s.window_s < d.time:
-        wait = d.time + s.window_s - s.time
+    settle = settle_time(s)
+    if s.time - s.window_s < d.time + settle:
+        wait = d.time + settle + s.window_s - s.time
+        after = f" and {settle:.0f}s for the requests it found in flight to finish" if settle >= 1 else ""
         return Verdict(wait=f"verifying {fmt_change(d.change)} of {ago(now, d.time)}: "
-                            f"a full window after it is in {wait:.0f}s")
+                            f"a full window after it{after} in {wait:.0f}s")
     value = signal(s, d.target)
     judged = f"{d.target} {fmt(d.target, d.baseline)} -> {fmt(d.target, value)} after {fmt_change(d.change)}"
     problems = []
@@ -55,6 +57,16 @@ def judge_last_change(s: Snapshot, cur: Settings, bounds: Bounds, history: Histo
     if problems:
         return Verdict(d.time, verified, note=f"verification: {'; '.join(problems)} (not reverted)")
     return Verdict(d.time, verified, note=f"verified: {judged}" if verified else "")
+
+
+def settle_time(s: Snapshot) -> float:
+    """How long after a change its window must start. Latencies (TPOT, queue time) are
+    observed when a request finishes, so for a while after a change the histograms still
+    fill with requests that ran mostly before it. Twice the mean request latency covers
+    most of them; at most one window; 0 when the latency is unknown."""
+    if not s.request_latency_mean_s:
+        return 0.0
+    return min(s.window_s, 2 * s.request_latency_mean_s)
 
 
 def throughput_baseline(s: Snapshot, t: Thresholds) -> float | None:
