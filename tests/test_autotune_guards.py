@@ -226,3 +226,21 @@ def test_verification_waits_for_the_requests_in_flight_at_the_change_to_finish()
     glacial = dict(slow, request_latency_mean_s=300.0)
     assert run(snap(t=T0 + 119, **glacial), cur=cur, history=applied(lowered)).verifies is None
     assert run(snap(t=T0 + 120, **glacial), cur=cur, history=applied(lowered)).verifies == lowered.time
+
+
+def test_a_raise_stays_below_a_width_that_broke_the_tpot_objective():
+    queued = dict(queue_time_p95_s=2.0, num_waiting=8.0, kv_usage_mean=0.15, kv_usage_max=0.20, tpot_p95_s=0.030)
+    narrowed = run(snap(**dict(WIDE, num_running=16.0)), cur=replace(CUR, max_num_seqs=16), thresholds=TPOT)
+    assert narrowed.diagnosis is Diagnosis.TPOT_BOUND and narrowed.change["max_num_seqs"][0] == 16
+    h = applied(narrowed)
+    cur = replace(CUR, max_num_seqs=narrowed.change["max_num_seqs"][1])  # 11
+    # TPOT now reads well under the objective: the projection would go to 16; the ceiling says 15.
+    d = run(snap(t=T0 + 200, **dict(queued, num_running=11.0)), cur=cur, history=h, thresholds=TPOT)
+    assert d.change == {"max_num_seqs": (11, 15)}
+    at = run(snap(t=T0 + 200, **dict(queued, num_running=15.0)), cur=replace(CUR, max_num_seqs=15),
+             history=h, thresholds=TPOT)
+    assert "max_num_seqs" not in at.change and "broke the TPOT objective" in at.reason
+    # Ten minutes on, the width may be tried again.
+    later = run(snap(t=T0 + 700, **dict(queued, num_running=15.0)), cur=replace(CUR, max_num_seqs=15),
+                history=h, thresholds=TPOT)
+    assert later.change == {"max_num_seqs": (15, 22)}

@@ -68,10 +68,11 @@ def test_history_round_trips_through_status():
 
 def test_table_row():
     d = decide(preempting(), CUR, BOUNDS, History(), T0)
-    row = format_table_row(T0, preempting(), 64, 2048, 1, d)
+    row = format_table_row(T0, replace(preempting(), tpot_p95_s=0.0473), 64, 2048, 1, d)
     assert row.startswith("22:13:20")
-    for part in (" 97.0 ", "0.50", "2.00s", " 64 ", "2048", "PreemptionBound", "change max_num_seqs 64->48"):
+    for part in (" 97.0 ", "0.50", "2.00s", " 47ms ", " 64 ", "2048", "PreemptionBound", "change max_num_seqs 64->48"):
         assert part in row
-    assert len(TABLE_HEADER.split()) == 10  # time KV% preempt/s queue p95 seqs len repl diagnosis decision
+    # time KV% preempt/s queue p95 TPOT p95 seqs len repl diagnosis decision
+    assert len(TABLE_HEADER.split()) == 12
     empty = format_table_row(T0, None, 64, 2048, 1, None)
-    assert empty.split()[1:4] == ["-", "-", "-"]
+    assert empty.split()[1:5] == ["-", "-", "-", "-"]

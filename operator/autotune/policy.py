@@ -207,6 +207,12 @@ def _act(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, histo
         new = _raise_seqs(s, cur, bounds, t)
         tpot_block = _tpot_blocks_raise(s, t)
         blocked = _blocked(history, "max_num_seqs", +1, now, t) or tpot_block
+        ceiling = _broken_width(history, now, t)
+        if new is not None and ceiling is not None and new >= ceiling[0]:
+            new = ceiling[0] - 1 if ceiling[0] - 1 > cur.max_num_seqs else None
+            if new is None and not blocked:
+                blocked = (f"max_num_seqs {ceiling[0]} broke the TPOT objective or caused preemptions "
+                           f"{ago(now, ceiling[1])}; not raising to it again yet")
         if new is not None and not blocked:
             # Judged by the number waiting, not queue p95: queue time is recorded when a
             # request leaves the queue, so right after a raise the whole backlog is admitted
@@ -335,6 +341,21 @@ def _len_target(s: Snapshot, cur: Settings, bounds: Bounds, t: Thresholds) -> in
     step_floor = _round_up(cur.max_model_len / t.len_max_divisor, cur.block_size)
     new = bounds.max_model_len.clamp(max(target, step_floor))
     return new if new < cur.max_model_len else None
+
+
+def _broken_width(history: History, now: float, t: Thresholds) -> tuple[int, float] | None:
+    """(max_num_seqs, time): the smallest value the autotuner had to lower max_num_seqs from,
+    for TPOT or preemptions, within flip_backoff_s. Raises stay below it: measured noise
+    must not walk the batch back up to a width that was already seen to fail."""
+    worst = None
+    for entry in history.applied_since(now - t.flip_backoff_s):
+        d = entry.decision
+        if "max_num_seqs" not in d.change or d.diagnosis not in (Diagnosis.TPOT_BOUND, Diagnosis.PREEMPTION_BOUND):
+            continue
+        old, new = d.change["max_num_seqs"]
+        if new < old and (worst is None or old <= worst[0]):
+            worst = (old, d.time)
+    return worst
 
 
 def _blocked(history: History, setting: str, direction: int, now: float, t: Thresholds) -> str | None:
