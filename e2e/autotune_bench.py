@@ -54,7 +54,7 @@ SWEEP_WORKLOAD = replace(WORKLOAD, num_requests=160)  # the first 160 of the sam
 AUTOTUNE = {"mode": "Auto", "interval": "10s", "window": "20s", "cooldown": "20s",
             "maxNumSeqs": {"min": 2, "max": 64}, "maxModelLen": {"min": 768, "max": 2048},
             "objectives": {"tpot": f"{SLO.tpot_ms:g}ms"}}
-AUTOSCALING = {"minReplicas": 1, "maxReplicas": 1}  # one pod: two on two CPU cores add no compute
+AUTOSCALING = {"minReplicas": 1, "maxReplicas": 1}  # one pod, like the static runs: a contest of settings only
 
 
 def summarize_run(outcomes: list[ks.RequestOutcome], duration_s: float, preemptions: float | None,

@@ -5,7 +5,9 @@ on builtin:tiny, and load from `kvpilot bench serve` (in process) aimed at a pod
     a. max_num_seqs far too high for a tiny KV cache: lowered, and preemptions/s fall;
     b. max_num_seqs far too low with a roomy cache: raised, and queue p95 falls;
     c. cache full and queueing at the tuning bounds: a replica is added through the
-       scale subresource; once the load stops it goes back to minReplicas.
+       scale subresource; once the load stops it goes back to minReplicas;
+    d. a TPOT objective below what the default batch width gives: max_num_seqs is
+       narrowed (TPOTBound) and TPOT p95 falls.
 
 Each test prints the figures it measured (pytest -s shows them; the README quotes them)."""
 from __future__ import annotations
@@ -105,6 +107,11 @@ def promql(cluster, query: str) -> float | None:
 
 def preemption_rate(cluster, ns: str) -> float | None:
     return promql(cluster, f'sum(rate(vllm:num_preemptions_total{{namespace="{ns}"}}[{WINDOW_S}s]))')
+
+
+def tpot_p95(cluster, ns: str) -> float | None:
+    return promql(cluster, f'histogram_quantile(0.95, sum by (le) (rate('
+                           f'vllm:request_time_per_output_token_seconds_bucket{{namespace="{ns}"}}[{WINDOW_S}s])))')
 
 
 def queue_p95(cluster, ns: str) -> float | None:
@@ -255,5 +262,41 @@ def test_c_hardware_bound_adds_a_replica_and_returns_to_min_when_idle(cluster, t
         assert diag["change"] == {"replicas": [1, 2]} and last["change"] == {"replicas": [2, 1]}
         assert last["diagnosis"] == "Idle"
         assert len(events(kube, ns, "AutotuneChange")) >= 2
+    finally:
+        cleanup(cluster, ns)
+
+
+def test_d_a_tpot_objective_narrows_the_batch_and_tpot_falls(cluster, tuned_operator, wait_for):
+    kube = tuned_operator
+    # 64 MiB = 16k tokens: all 32 users run at once under max_num_seqs 64, the cache never binds.
+    ns, pod = deploy(cluster, kube, wait_for, seqs=64, seqs_range=(2, 64), kv="64Mi", mode="Recommend")
+    try:
+        t0 = time.monotonic()
+        with Load(pod, concurrency=32, input_len=128, output_len=64):
+            snap = until(wait_for, kube, ns,
+                         lambda: (lambda s: s if (s.get("numRunning") or 0) >= 20 and s.get("tpotP95Seconds")
+                                  and (s.get("runningMin") or 0) >= 1 else None)(autotune(kube, ns).get("snapshot") or {}),
+                         timeout=90, what="a window of steady load with a TPOT reading")
+            before = snap["tpotP95Seconds"]
+            # The objective is set from what this machine measures, so the test holds on
+            # faster and slower machines alike: 60 % of the TPOT at the default width.
+            objective_ms = max(5, int(before * 1000 * 0.6))
+            cluster.kubectl("patch", "llmd", "tiny", "-n", ns, "--type=merge", "-p",
+                            '{"spec":{"autotune":{"mode":"Auto","objectives":{"tpot":"%dms"}}}}' % objective_ms)
+            t_auto = time.monotonic() - t0
+            first = until(wait_for, kube, ns, lambda: applied_changes(kube, ns, "maxNumSeqs"), timeout=60,
+                          what="a first max_num_seqs change")[0]
+            assert first["diagnosis"] == "TPOTBound" and first["change"]["maxNumSeqs"][1] < 32, first
+            t_first = time.monotonic()
+            seqs = effective(kube, ns, "maxNumSeqs")
+            # Latencies are recorded when requests finish: wait out the ones that ran wide.
+            after = until(wait_for, kube, ns,
+                          lambda: time.monotonic() - t_first > 2 * WINDOW_S + 1 and [tpot_p95(cluster, ns)],
+                          timeout=60, what="a window at the narrower setting")[0]
+        st = autotune(kube, ns)
+        print(f"\n[d] TPOT p95 {1000 * before:.0f}ms at the default width; objective {objective_ms}ms; "
+              f"max_num_seqs 64 -> {seqs} {t_first - t0:.0f}s after load start (Auto from {t_auto:.0f}s); "
+              f"TPOT p95 after {1000 * after:.0f}ms; changes: {[d['change'] for d in st.get('history', [])]}")
+        assert after < 0.85 * before, (before, after)
     finally:
         cleanup(cluster, ns)
