@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvsession as ks  # noqa: E402
 from kvsession import log  # noqa: E402
 from timeline import (Change, Sample, Slo, changes_to_json, convergence_time, format_table,  # noqa: E402
-                      goodput, observed_changes, percentile, samples_to_json, write_timeline_png)
+                      goodput, goodput_after, observed_changes, percentile, samples_to_json,
+                      write_timeline_png)
 
 ROOT = ks.ROOT
 NAME = "tiny"
@@ -249,16 +250,6 @@ def report(results: dict, out: Path) -> str:
           + (f"\ntotal time {results['total_s'] / 60:.1f} min" if results.get("total_s") else ""))
     (out / "autotune-bench-table.txt").write_text(text + "\n")
     return text
-
-
-def goodput_after(run: dict, since_s: float | None, slo: Slo) -> float | None:
-    """Goodput of the requests sent `since_s` seconds or more after the load started,
-    over the time from then to the run's end (None without per-request outcomes)."""
-    outcomes = run.get("outcomes")
-    if not outcomes or since_s is None or run.get("duration_s", 0) <= since_s:
-        return None
-    later = [(ttft, tpot) for sent, ttft, tpot in outcomes if sent >= since_s]
-    return goodput(later, run["duration_s"] - since_s, slo)
 
 
 def _interrupt(*_):

@@ -70,6 +70,16 @@ def goodput(requests: Iterable[tuple[float | None, float | None]], duration_s: f
     return sum(1 for ttft, tpot in requests if meets_slo(ttft, tpot, slo)) / duration_s
 
 
+def goodput_after(run: dict, since_s: float | None, slo: Slo) -> float | None:
+    """Goodput of the requests sent `since_s` seconds or more after the load started,
+    over the time from then to the run's end (None without per-request outcomes)."""
+    outcomes = run.get("outcomes")
+    if not outcomes or since_s is None or run.get("duration_s", 0) <= since_s:
+        return None
+    later = [(ttft, tpot) for sent, ttft, tpot in outcomes if sent >= since_s]
+    return goodput(later, run["duration_s"] - since_s, slo)
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default); None when empty."""
     if not values:

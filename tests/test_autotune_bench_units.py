@@ -102,3 +102,14 @@ def test_observed_changes_fill_in_what_the_history_missed():
     assert [(c.t, c.change, c.action) for c in seen] == [(20.0, {"replicas": [1, 2]}, "observed")]
     assert convergence_time(recorded + seen) == 20.0
     assert observed_changes([], recorded) == []
+
+
+def test_goodput_after_counts_requests_sent_from_then_over_the_time_left():
+    from timeline import goodput_after
+    # (sent_at, ttft, tpot): two early requests miss, three later ones meet the objective, one fails.
+    run = {"duration_s": 40.0, "outcomes": [[1.0, 9.0, 0.02], [5.0, 1.0, 0.09], [10.0, 1.0, 0.02],
+                                            [20.0, 0.5, 0.03], [30.0, 2.0, 0.04], [35.0, None, None]]}
+    assert goodput_after(run, 10.0, SLO) == pytest.approx(3 / 30)
+    assert goodput_after(run, None, SLO) is None
+    assert goodput_after(run, 40.0, SLO) is None  # nothing left after convergence
+    assert goodput_after({"duration_s": 40.0}, 10.0, SLO) is None  # no per-request outcomes
