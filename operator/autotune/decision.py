@@ -81,7 +81,7 @@ class Thresholds:
     tpot_objective_s: float | None = None
     # Narrowing aims at objective x tpot_target_ratio; max_num_seqs is not raised while TPOT
     # p95 is above objective x tpot_raise_ratio. Between the two lies the dead band that
-    # keeps the batch from see-sawing (the TPOT histogram's buckets are coarse: 25/50/75ms).
+    # keeps the batch from see-sawing (stock vLLM's TPOT buckets are coarse: 25/50/75 ms).
     tpot_target_ratio: float = 0.9
     tpot_raise_ratio: float = 0.9
     # Queueing: p95 of vllm:request_queue_time_seconds, or mean requests waiting (all pods).
