@@ -138,7 +138,9 @@ def test_auto_lowers_max_num_seqs_with_an_event_a_metric_and_a_capacity_plan():
     assert "max_num_seqs 64 -> 32" in message and "preemptions" in message
     after = counter("kvpilot_operator_autotune_decisions_total", action="change", setting="max_num_seqs")
     assert after == before + 1
-    assert kube.scaled == [] and out.conditions == []
+    assert kube.scaled == []
+    # The pod still reports the 64 in effect when this interval began.
+    assert [(c.type, c.status, c.reason) for c in out.conditions] == [("TuningApplied", "True", "PodsReportSettings")]
 
 
 def test_recommend_reports_but_applies_nothing():
@@ -207,9 +209,9 @@ def test_prefix_cache_warning_needs_the_spec_hint_and_posts_one_event_per_episod
     low = snap(prefix_hit_rate=0.02)
     kube = FakeKube()
     out = autotune_step(ctx(spec_body(), kube=kube), reader_factory=FakeReader([low]), now=T0)
-    assert out.conditions == [] and kube.events == []  # no hint: no judgement
+    assert [c.type for c in out.conditions] == ["TuningApplied"] and kube.events == []  # no hint: no judgement
     out = autotune_step(ctx(spec_body(shared_prefix=True), kube=kube), reader_factory=FakeReader([low]), now=T0)
-    (cond,) = out.conditions
+    cond, _ = out.conditions
     assert (cond.type, cond.status) == ("PrefixCacheIneffective", "True") and "2%" in cond.message
     assert [(e[2], e[3]) for e in kube.events] == [("Warning", "PrefixCacheIneffective")]
     status = {"autotune": out.status().dump(), "conditions": [cond.dump()]}
@@ -304,3 +306,31 @@ def test_the_tpot_objective_reaches_the_policy_and_a_bad_one_is_refused():
     assert t.tpot_objective_s == 0.05 and t.cooldown_s == 10.0
     with pytest.raises(ValueError, match="tpot"):
         parse_spec({"spec": spec_body(objectives={"tpot": "fast"})})
+
+
+def test_tuning_applied_turns_to_pods_disagree_after_the_grace_and_warns_once():
+    kube = FakeKube()
+    # In effect: max_model_len 512 (the spec); the pod reports 256 (it refused the file).
+    stuck = snap(model_len=256)
+    out = autotune_step(ctx(spec_body(), kube=kube), reader_factory=FakeReader([stuck]), now=T0)
+    (cond,) = [c for c in out.conditions if c.type == "TuningApplied"]
+    assert (cond.status, cond.reason) == ("False", "Propagating") and "max_model_len=[256]" in cond.message
+    assert out.status().last_decision.action == "hold" and "waiting for the pods" in out.status().last_decision.reason
+    cond.last_transition_time = rfc3339(T0)
+    status = {"autotune": out.status().dump(), "conditions": [cond.dump()]}
+    soon = autotune_step(ctx(spec_body(), status, kube=kube), reader_factory=FakeReader([stuck]), now=T0 + 100)
+    assert [c.reason for c in soon.conditions] == ["Propagating"] and kube.events == []
+    late = autotune_step(ctx(spec_body(), status, kube=kube), reader_factory=FakeReader([stuck]), now=T0 + 200)
+    (cond,) = late.conditions
+    assert (cond.status, cond.reason) == ("False", "PodsDisagree") and "see the pod logs" in cond.message
+    assert [(e[2], e[3]) for e in kube.events] == [("Warning", "TuningNotApplied")]
+    cond.last_transition_time = rfc3339(T0)
+    status["conditions"] = [cond.dump()]
+    again = autotune_step(ctx(spec_body(), status, kube=kube), reader_factory=FakeReader([stuck]), now=T0 + 300)
+    assert again.conditions[0].reason == "PodsDisagree" and len(kube.events) == 1  # one Event per episode
+    fixed = autotune_step(ctx(spec_body(), status, kube=kube), reader_factory=FakeReader([snap()]), now=T0 + 400)
+    assert [(c.status, c.reason) for c in fixed.conditions] == [("True", "PodsReportSettings")]
+    # No pod reporting the gauges (stock vLLM) keeps whatever was there.
+    bare = autotune_step(ctx(spec_body(), status, kube=kube), reader_factory=FakeReader([snap(pods=())]),
+                         now=T0 + 500)
+    assert [c.reason for c in bare.conditions] == ["PodsDisagree"]

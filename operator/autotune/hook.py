@@ -15,7 +15,12 @@ spec.autotune.interval, measured from the time of the last decision in status:
    targets it). Each applied change is an Event (AutotuneChange / AutotuneRevert, the
    decision's reason as message) and a count in kvpilot_operator_autotune_decisions_total;
 5. with spec.autotune.sharedPrefix set, a low prefix-cache hit rate raises the
-   PrefixCacheIneffective condition and a Warning Event (diagnose only).
+   PrefixCacheIneffective condition and a Warning Event (diagnose only);
+6. the TuningApplied condition says whether the pods report (kvpilot:max_num_seqs,
+   kvpilot:max_model_len) the settings in effect. A short disagreement is the tuning
+   ConfigMap still propagating; one that outlasts TUNING_GRACE_S (or two windows) is
+   PodsDisagree with a Warning Event: the engine refused a value, e.g. a max_model_len
+   longer than its KV cache holds.
 """
 from __future__ import annotations
 
@@ -43,6 +48,8 @@ log = logging.getLogger(__name__)
 # Prometheus's labelmap turns the pod label serving.kvpilot.dev/llmdeployment into this.
 SERIES_LABEL = re.sub(r"[^a-zA-Z0-9_]", "_", INSTANCE_LABEL)
 PREFIX_CONDITION = "PrefixCacheIneffective"
+TUNING_CONDITION = "TuningApplied"
+TUNING_GRACE_S = 180.0  # kubelet syncs a changed ConfigMap volume within about a minute
 _DURATION = re.compile(r"([0-9]+)(ms|s|m|h)")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -167,7 +174,8 @@ def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None 
     if applied:
         _announce_change(kube, owner, decision)
 
-    conditions = _prefix_conditions(ctx, snap, thresholds)
+    conditions = _keep_previous(ctx, {PREFIX_CONDITION: _prefix_conditions(ctx, snap, thresholds),
+                                      TUNING_CONDITION: _tuning_condition(ctx, snap, current, now)})
     return AutotuneOutcome(report=report, proposed=proposed, conditions=conditions)
 
 
@@ -226,3 +234,49 @@ def _prefix_conditions(ctx: AutotuneContext, snap: Snapshot | None,
         _event(ctx.kube, ctx.owner, "Warning", PREFIX_CONDITION, warning)
         metrics.AUTOTUNE_WARNINGS.labels(PREFIX_CONDITION).inc()
     return [Condition(type=PREFIX_CONDITION, status="True", reason="LowPrefixCacheHitRate", message=warning)]
+
+
+def _tuning_condition(ctx: AutotuneContext, snap: Snapshot | None, current: Settings,
+                      now: float) -> list[Condition] | None:
+    """TuningApplied from the settings the pods report; None (keep the previous one) when
+    no pod reports any (no data, or stock vLLM pods without the kvpilot: gauges)."""
+    settings = ("max_num_seqs", "max_model_len")
+    if snap is None or not any(snap.reported(k) for k in settings):
+        return None
+    expected = ", ".join(f"{k}={getattr(current, k)}" for k in settings)
+    differ = [f"{k}={sorted(snap.reported(k))}" for k in settings
+              if snap.reported(k) and snap.reported(k) != {getattr(current, k)}]
+    if not differ:
+        return [Condition(type=TUNING_CONDITION, status="True", reason="PodsReportSettings",
+                          message=f"every pod reports {expected}")]
+    before = ctx.status.condition(TUNING_CONDITION)
+    since = now
+    if before is not None and before.status == "False" and before.last_transition_time:
+        try:
+            since = _parse_time(before.last_transition_time)
+        except ValueError:
+            pass
+    grace = max(TUNING_GRACE_S, 2 * parse_duration(ctx.spec.autotune.window))
+    reported = ", ".join(differ)
+    if now - since < grace:
+        return [Condition(type=TUNING_CONDITION, status="False", reason="Propagating",
+                          message=f"pods report {reported} while {expected} is in effect: waiting for the "
+                                  f"tuning ConfigMap to reach them")]
+    message = (f"pods still report {reported} {now - since:.0f}s after {expected} took effect: the engine "
+               f"refuses a tuning file it cannot honour (e.g. max_model_len longer than its KV cache "
+               f"holds); see the pod logs")
+    if before is None or before.reason != "PodsDisagree":  # one Event per episode
+        _event(ctx.kube, ctx.owner, "Warning", "TuningNotApplied", message)
+    return [Condition(type=TUNING_CONDITION, status="False", reason="PodsDisagree", message=message)]
+
+
+def _keep_previous(ctx: AutotuneContext, parts: dict[str, list[Condition] | None]) -> list[Condition]:
+    """The autotuner's conditions replace the previous ones as a whole; a part that has
+    nothing to say (None) carries its previous condition over unchanged."""
+    out: list[Condition] = []
+    for kind, part in parts.items():
+        if part is None:
+            before = ctx.status.condition(kind)
+            part = [before] if before is not None else []
+        out += part
+    return out
