@@ -112,7 +112,10 @@ def test_a_raise_never_projects_tpot_past_the_objective():
     assert capped.change == {"max_num_seqs": (16, 18)}  # 16 x 45ms / 40ms
     near = run(snap(**dict(queued, tpot_p95_s=0.046)), cur=cur, thresholds=TPOT)
     assert "max_num_seqs" not in near.change and near.diagnosis is Diagnosis.HARDWARE_BOUND
-    assert "would break it" in near.reason
+    assert "would break the objective" in near.reason
+    # 44ms at 16: the projection leaves room for 16.4, not one more sequence, so no +1 step.
+    edge = run(snap(**dict(queued, tpot_p95_s=0.044)), cur=cur, thresholds=TPOT)
+    assert "max_num_seqs" not in edge.change and "leaves no room under 45ms" in edge.reason
 
 
 def toy_tpot_engine(seqs: int, t: float, clients: int = 48) -> Snapshot:

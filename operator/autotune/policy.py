@@ -205,7 +205,7 @@ def _act(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, histo
         return _scale_out(cur, bounds, history, s, t, note, Diagnosis.HARDWARE_BOUND)
     if diagnosis is Diagnosis.SCHEDULER_BOUND:
         new = _raise_seqs(s, cur, bounds, t)
-        tpot_block = _tpot_blocks_raise(s, t)
+        tpot_block = _tpot_blocks_raise(s, cur, t)
         blocked = _blocked(history, "max_num_seqs", +1, now, t) or tpot_block
         ceiling = _broken_width(history, now, t)
         if new is not None and ceiling is not None and new >= ceiling[0]:
@@ -298,10 +298,9 @@ def _raise_seqs(s: Snapshot, cur: Settings, bounds: Bounds, t: Thresholds) -> in
     # Keep the projected peak KV usage (usage scales with admitted sequences) under target.
     projected = math.floor(n * t.kv_raise_target / max(s.kv_usage_max, 1e-3))
     new = min(new, max(n + 1, projected))
-    if t.tpot_objective_s is not None and s.tpot_p95_s:
-        # TPOT taken as proportional to width: keeps the wider batch under the objective.
-        width = max(1.0, min(n, s.num_running))
-        new = min(new, max(n + 1, math.floor(width * t.tpot_objective_s * t.tpot_raise_ratio / s.tpot_p95_s)))
+    room = _tpot_room(s, cur, t)
+    if room is not None:
+        new = min(new, room)
     new = min(new, _seqs_ceiling(cur, bounds))
     return new if new > n else None
 
@@ -321,13 +320,23 @@ def _lower_seqs_for_tpot(s: Snapshot, cur: Settings, bounds: Bounds, t: Threshol
     return new if new < cur.max_num_seqs else None
 
 
-def _tpot_blocks_raise(s: Snapshot, t: Thresholds) -> str | None:
-    if t.tpot_objective_s is None or s.tpot_p95_s is None:
+def _tpot_room(s: Snapshot, cur: Settings, t: Thresholds) -> int | None:
+    """The widest batch projected to keep TPOT p95 under objective x tpot_raise_ratio, TPOT
+    taken as proportional to the running width (which overstates the growth: cautious);
+    None without an objective or a TPOT reading."""
+    if t.tpot_objective_s is None or not s.tpot_p95_s:
         return None
-    if s.tpot_p95_s < t.tpot_objective_s * t.tpot_raise_ratio:
+    width = max(1.0, min(cur.max_num_seqs, s.num_running))
+    return math.floor(width * t.tpot_objective_s * t.tpot_raise_ratio / s.tpot_p95_s)
+
+
+def _tpot_blocks_raise(s: Snapshot, cur: Settings, t: Thresholds) -> str | None:
+    room = _tpot_room(s, cur, t)
+    if room is None or room > cur.max_num_seqs:
         return None
-    return (f"TPOT p95 {1000 * s.tpot_p95_s:.0f}ms is already near the {1000 * t.tpot_objective_s:.0f}ms "
-            f"objective, so a wider batch would break it")
+    return (f"TPOT p95 {1000 * s.tpot_p95_s:.0f}ms leaves no room under "
+            f"{1000 * t.tpot_objective_s * t.tpot_raise_ratio:.0f}ms (objective x {t.tpot_raise_ratio:g}) "
+            f"for a wider batch, so widening it would break the objective")
 
 
 def _len_target(s: Snapshot, cur: Settings, bounds: Bounds, t: Thresholds) -> int | None:
