@@ -9,9 +9,10 @@ Order of business each interval:
    if the signal it targeted got worse, or it cost throughput, the answer is its revert;
 5. holds: still verifying, pods not yet reporting the settings, cooldown, a window that
    is not all under load (ramp-up);
-6. the rule for the diagnosis, in the order a person would diagnose: idle, preemption,
-   length refusals, TPOT over the user's objective, then queueing split by what binds
-   (the max_num_seqs cap, a long max_model_len, the hardware).
+6. the rule for the diagnosis (how far each move goes: steps.py), in the order a person
+   would diagnose: idle, preemption, length refusals, TPOT over the user's objective,
+   then queueing split by what binds (the max_num_seqs cap, a long max_model_len, the
+   hardware).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from .capacity import CapacityPlan
 from .decision import Action, Bounds, Decision, Diagnosis, Settings, Thresholds
 from .history import History
 from .signals import Snapshot
+from .steps import (len_target, lower_seqs, lower_seqs_for_tpot, raise_seqs, round_up, seqs_ceiling,
+                    tpot_blocks_raise)
 from .verify import ago, fmt_change, judge_last_change, signal, throughput_baseline
 
 DEFAULT_THRESHOLDS = Thresholds()
@@ -131,7 +134,7 @@ def _diagnose(s: Snapshot, cur: Settings, bounds: Bounds, history: History,
                                 f"{s.num_running + s.num_waiting:.2f} in flight")
     per_request_level = (t.preempt_per_request_exit if prev is Diagnosis.PREEMPTION_BOUND
                          else t.preempt_per_request_enter)
-    per_request = s.preemptions_per_s / s.request_rate_per_s if s.request_rate_per_s > 0 else math.inf
+    per_request = s.preemptions_per_request
     if s.preemptions_per_s >= preempt_level and per_request >= per_request_level:
         per = "" if math.isinf(per_request) else f", {per_request:.2f} per finished request"
         return Diagnosis.PREEMPTION_BOUND, (
@@ -156,7 +159,7 @@ def _diagnose(s: Snapshot, cur: Settings, bounds: Bounds, history: History,
         return Diagnosis.SCHEDULER_BOUND, (
             f"{queue} while {s.num_running:.1f} run (max_num_seqs={cur.max_num_seqs}) and {kv}: "
             f"the cap binds before the cache does")
-    if s.kv_usage_mean >= full_level and _len_target(s, cur, bounds, t) is not None:
+    if s.kv_usage_mean >= full_level and len_target(s, cur, bounds, t) is not None:
         return Diagnosis.KV_CACHE_BOUND, (
             f"{queue} with the cache full ({kv}) and p99 request length {s.request_len_p99:.0f} "
             f"far below max_model_len={cur.max_model_len}")
@@ -171,7 +174,7 @@ def _act(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, histo
     if diagnosis is Diagnosis.IDLE:
         return _scale_in(cur, bounds, history, t)
     if diagnosis is Diagnosis.PREEMPTION_BOUND:
-        new = _lower_seqs(cur, bounds, capacity, t, s.num_running)
+        new = lower_seqs(cur, bounds, capacity, t, s.num_running)
         blocked = _blocked(history, "max_num_seqs", -1, now, t)
         if new is not None and not blocked:
             why = (f" toward the {capacity.max_concurrent_seqs} sequences that fit"
@@ -191,11 +194,11 @@ def _act(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, histo
             return {}, None, f"max_model_len already at its maximum {bounds.max_model_len.max}", diagnosis
         want = max(cur.max_model_len * t.len_increase,
                    (s.request_len_p99 or 0) * t.len_headroom)
-        new = bounds.max_model_len.clamp(_round_up(want, cur.block_size))
+        new = bounds.max_model_len.clamp(round_up(want, cur.block_size))
         return ({"max_model_len": (cur.max_model_len, new)}, "length_refusals_per_s",
                 f"raise max_model_len {cur.max_model_len} -> {new}", diagnosis)
     if diagnosis is Diagnosis.TPOT_BOUND:
-        new = _lower_seqs_for_tpot(s, cur, bounds, t)
+        new = lower_seqs_for_tpot(s, cur, bounds, t)
         blocked = _blocked(history, "max_num_seqs", -1, now, t)
         if new is not None and not blocked:
             return ({"max_num_seqs": (cur.max_num_seqs, new)}, "tpot_p95_s",
@@ -204,8 +207,8 @@ def _act(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, histo
         note = blocked or f"max_num_seqs cannot go lower usefully (at {cur.max_num_seqs}, bound {bounds.max_num_seqs.min})"
         return _scale_out(cur, bounds, history, s, t, note, Diagnosis.HARDWARE_BOUND)
     if diagnosis is Diagnosis.SCHEDULER_BOUND:
-        new = _raise_seqs(s, cur, bounds, t)
-        tpot_block = _tpot_blocks_raise(s, cur, t)
+        new = raise_seqs(s, cur, bounds, t)
+        tpot_block = tpot_blocks_raise(s, cur, t)
         blocked = _blocked(history, "max_num_seqs", +1, now, t) or tpot_block
         ceiling = _broken_width(history, now, t)
         if new is not None and ceiling is not None and new >= ceiling[0]:
@@ -219,11 +222,11 @@ def _act(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, histo
             # at once and the window's p95 jumps because the change worked.
             return ({"max_num_seqs": (cur.max_num_seqs, new)}, "num_waiting",
                     f"raise max_num_seqs {cur.max_num_seqs} -> {new}", diagnosis)
-        note = blocked or f"max_num_seqs already at its limit {_seqs_ceiling(cur, bounds)}"
+        note = blocked or f"max_num_seqs already at its limit {seqs_ceiling(cur, bounds)}"
         # Too slow per step for a wider batch: the hardware, not the cap, is what binds.
         return _scale_out(cur, bounds, history, s, t, note, Diagnosis.HARDWARE_BOUND if tpot_block else diagnosis)
     if diagnosis is Diagnosis.KV_CACHE_BOUND:
-        new = _len_target(s, cur, bounds, t)
+        new = len_target(s, cur, bounds, t)
         blocked = _blocked(history, "max_model_len", -1, now, t)
         if not blocked:
             target = "queue_time_p95_s" if s.queue_time_p95_s is not None else "num_waiting"
@@ -265,92 +268,7 @@ def _scale_in(cur: Settings, bounds: Bounds, history: History, t: Thresholds):
             f"remove a replica {cur.replicas} -> {cur.replicas - 1}", Diagnosis.IDLE)
 
 
-# --- steps ------------------------------------------------------------------------------
-
-def _lower_seqs(cur: Settings, bounds: Bounds, capacity: CapacityPlan | None, t: Thresholds,
-                running: float | None = None) -> int | None:
-    """x seq_decrease, or toward the capacity bound (at most halving). When fewer sequences
-    run (mean over the window) than that step would leave, the cache is what limits
-    admission and the cap above the running count changes nothing: go down to the running
-    count (or what fits, if more) at once. Otherwise each bounded step would be a change
-    that moves nothing, and its verification would judge noise."""
-    n = cur.max_num_seqs
-    new = math.floor(n * t.seq_decrease)
-    if capacity is not None and capacity.max_concurrent_seqs < new:
-        new = max(capacity.max_concurrent_seqs, math.floor(n * t.seq_max_decrease))
-    if running is not None and running >= 1 and math.ceil(running) < new:
-        fits = capacity.max_concurrent_seqs if capacity is not None else 0
-        new = max(math.ceil(running), min(fits, new), 1)
-    new = bounds.max_num_seqs.clamp(min(new, n - 1))
-    return new if new < n else None
-
-
-def _seqs_ceiling(cur: Settings, bounds: Bounds) -> int:
-    ceiling = bounds.max_num_seqs.max
-    if cur.max_num_batched_tokens is not None:
-        ceiling = min(ceiling, cur.max_num_batched_tokens)
-    return ceiling
-
-
-def _raise_seqs(s: Snapshot, cur: Settings, bounds: Bounds, t: Thresholds) -> int | None:
-    n = cur.max_num_seqs
-    new = max(n + 1, math.ceil(n * t.seq_increase))
-    # Keep the projected peak KV usage (usage scales with admitted sequences) under target.
-    projected = math.floor(n * t.kv_raise_target / max(s.kv_usage_max, 1e-3))
-    new = min(new, max(n + 1, projected))
-    room = _tpot_room(s, cur, t)
-    if room is not None:
-        new = min(new, room)
-    new = min(new, _seqs_ceiling(cur, bounds))
-    return new if new > n else None
-
-
-def _lower_seqs_for_tpot(s: Snapshot, cur: Settings, bounds: Bounds, t: Thresholds) -> int | None:
-    """The batch width that brings TPOT to objective x tpot_target_ratio, supposing step
-    time proportional to width (it has a fixed part too, so this cuts too little rather than
-    too much; the next interval takes another step). The width is what runs, not the cap
-    above it; at most half of it in one step. None when one sequence already runs alone or
-    the bound stops it."""
-    width = min(cur.max_num_seqs, s.num_running)
-    if width < 2:
-        return None
-    want = math.floor(width * t.tpot_objective_s * t.tpot_target_ratio / s.tpot_p95_s)
-    new = max(want, math.ceil(width * t.seq_max_decrease), 1)
-    new = bounds.max_num_seqs.clamp(min(new, cur.max_num_seqs - 1))
-    return new if new < cur.max_num_seqs else None
-
-
-def _tpot_room(s: Snapshot, cur: Settings, t: Thresholds) -> int | None:
-    """The widest batch projected to keep TPOT p95 under objective x tpot_raise_ratio, TPOT
-    taken as proportional to the running width (which overstates the growth: cautious);
-    None without an objective or a TPOT reading."""
-    if t.tpot_objective_s is None or not s.tpot_p95_s:
-        return None
-    width = max(1.0, min(cur.max_num_seqs, s.num_running))
-    return math.floor(width * t.tpot_objective_s * t.tpot_raise_ratio / s.tpot_p95_s)
-
-
-def _tpot_blocks_raise(s: Snapshot, cur: Settings, t: Thresholds) -> str | None:
-    room = _tpot_room(s, cur, t)
-    if room is None or room > cur.max_num_seqs:
-        return None
-    return (f"TPOT p95 {1000 * s.tpot_p95_s:.0f}ms leaves no room under "
-            f"{1000 * t.tpot_objective_s * t.tpot_raise_ratio:.0f}ms (objective x {t.tpot_raise_ratio:g}) "
-            f"for a wider batch, so widening it would break the objective")
-
-
-def _len_target(s: Snapshot, cur: Settings, bounds: Bounds, t: Thresholds) -> int | None:
-    """The lower max_model_len KVCacheBound would move to, or None when lengths are not
-    far below it (or unknown, or requests are being refused for length)."""
-    if s.request_len_p99 is None or (s.length_refusals_per_s or 0.0) > t.refusal_enter_per_s:
-        return None
-    target = _round_up(s.request_len_p99 * t.len_headroom, cur.block_size)
-    if target > cur.max_model_len * t.len_far_ratio:
-        return None
-    step_floor = _round_up(cur.max_model_len / t.len_max_divisor, cur.block_size)
-    new = bounds.max_model_len.clamp(max(target, step_floor))
-    return new if new < cur.max_model_len else None
-
+# --- memory of earlier moves ---------------------------------------------------------
 
 def _broken_width(history: History, now: float, t: Thresholds) -> tuple[int, float] | None:
     """(max_num_seqs, time): the smallest value the autotuner had to lower max_num_seqs from,
@@ -395,7 +313,3 @@ def _clamp_to_bounds(cur: Settings, bounds: Bounds) -> dict:
         if c != v:
             out[k] = (v, c)
     return out
-
-
-def _round_up(x: float, block: int) -> int:
-    return max(block, math.ceil(x / block) * block)

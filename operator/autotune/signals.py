@@ -4,6 +4,7 @@ or stale. The Prometheus reader builds it; the policy only reads it."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # Signals without which no decision is taken (the policy answers NoData instead).
@@ -71,6 +72,13 @@ class Snapshot:
     pods: tuple[PodSettings, ...] = ()
     missing: tuple[str, ...] = ()
     stale: tuple[str, ...] = ()
+
+    @property
+    def preemptions_per_request(self) -> float:
+        """Preemptions per finished request; inf when preempting while nothing finishes."""
+        if self.request_rate_per_s and self.request_rate_per_s > 0:
+            return (self.preemptions_per_s or 0.0) / self.request_rate_per_s
+        return math.inf if self.preemptions_per_s else 0.0
 
     def no_data_reason(self) -> str | None:
         """Why this snapshot cannot support a decision, or None when it can."""

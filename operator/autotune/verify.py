@@ -89,10 +89,8 @@ def _throughput_lost(s: Snapshot, baseline: float | None, t: Thresholds) -> str 
 
 
 def _preempting(s: Snapshot, t: Thresholds) -> bool:
-    if s.preemptions_per_s < t.preempt_enter_per_s:
-        return False
-    rate = s.request_rate_per_s or 0.0
-    return rate <= 0 or s.preemptions_per_s / rate >= t.preempt_per_request_enter
+    return (s.preemptions_per_s >= t.preempt_enter_per_s
+            and s.preemptions_per_request >= t.preempt_per_request_enter)
 
 
 # --- formatting shared with the policy ----------------------------------------------------
