@@ -50,30 +50,39 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def _stats(prefix: str, seconds: list[float], out: dict) -> None:
+def latency_stats(prefix: str, seconds: list[float], out: dict) -> None:
+    """mean/median/std/p95/p99 of `seconds`, in ms, under vLLM's key names."""
     ms = [s * 1000.0 for s in seconds]
     out[f"mean_{prefix}_ms"] = statistics.fmean(ms) if ms else 0.0
     out[f"median_{prefix}_ms"] = statistics.median(ms) if ms else 0.0
     out[f"std_{prefix}_ms"] = statistics.pstdev(ms) if ms else 0.0
+    out[f"p95_{prefix}_ms"] = _pct(ms, 95)
     out[f"p99_{prefix}_ms"] = _pct(ms, 99)
+
+
+def throughput_stats(duration: float, completed: int, failed: int, input_tokens: int,
+                     output_tokens: int, errors: set[str]) -> dict:
+    """The counts and rates of a run, under vLLM's key names."""
+    def rate(n: float) -> float:
+        return n / duration if duration > 0 else 0.0
+
+    return {
+        "duration": duration, "completed": completed, "failed": failed,
+        "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+        "request_throughput": rate(completed), "output_throughput": rate(output_tokens),
+        "total_token_throughput": rate(input_tokens + output_tokens),
+        "errors": sorted(errors)[:10],
+    }
 
 
 def summarize(results: list[RequestResult], duration: float, goodput: dict[str, float]) -> dict:
     ok = [r for r in results if r.success]
-    input_tokens = sum(r.prompt_len for r in ok)
-    output_tokens = sum(r.output_tokens or 0 for r in ok)
-    out: dict = {
-        "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
-        "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
-        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
-        "output_throughput": output_tokens / duration if duration > 0 else 0.0,
-        "total_token_throughput": (input_tokens + output_tokens) / duration if duration > 0 else 0.0,
-        "errors": sorted({r.error for r in results if r.error})[:10],
-    }
-    _stats("ttft", [r.ttft for r in ok], out)
-    _stats("tpot", [t for t in (r.tpot for r in ok) if t is not None], out)
-    _stats("itl", [x for r in ok for x in r.itl], out)
-    _stats("e2el", [r.latency for r in ok], out)
+    out = throughput_stats(duration, len(ok), len(results) - len(ok), sum(r.prompt_len for r in ok),
+                           sum(r.output_tokens or 0 for r in ok), {r.error for r in results if r.error})
+    latency_stats("ttft", [r.ttft for r in ok], out)
+    latency_stats("tpot", [t for t in (r.tpot for r in ok) if t is not None], out)
+    latency_stats("itl", [x for r in ok for x in r.itl], out)
+    latency_stats("e2el", [r.latency for r in ok], out)
     if goodput:
         good = 0
         for r in ok:

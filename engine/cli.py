@@ -8,11 +8,16 @@ import logging
 import sys
 
 from .config import ATTENTION_BACKENDS, DTYPE_CHOICES, EngineConfig
+from .flags import add_dataclass_flags, dataclass_from_args
+from .sim.config import SimulationConfig
+
+SIMULATE_PREFIX = "simulate_"
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags, named as vLLM names them."""
-    p.add_argument("--model", required=True, help="model directory, file:///PATH or builtin:tiny")
+    """Engine flags, named as vLLM names them, and the simulated accelerator's."""
+    p.add_argument("--model", default=None,
+                   help="model directory, file:///PATH or builtin:tiny (with --simulate: optional)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -27,6 +32,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     p.add_argument("--seed", type=int, default=0)
+    sim = p.add_argument_group(
+        "simulated accelerator", "the real scheduler, KV cache manager, server and metrics, with "
+        "the forward pass replaced by a timing model (no GPU, no weights)")
+    add_dataclass_flags(sim, SimulationConfig, SIMULATE_PREFIX, {"accelerator": "--simulate"})
+
+
+def simulation_config_from_args(args: argparse.Namespace) -> SimulationConfig | None:
+    if getattr(args, "simulate_accelerator", None) is None:
+        given = [f"--{k.replace('_', '-')}" for k, v in vars(args).items()
+                 if k.startswith(SIMULATE_PREFIX) and v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} need --simulate ACCELERATOR")
+        return None
+    return dataclass_from_args(SimulationConfig, args, SIMULATE_PREFIX)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -37,6 +56,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching,
         attention_backend=args.attention_backend, seed=args.seed,
+        simulate=simulation_config_from_args(args),
     )
 
 
@@ -115,10 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import bench_serve, bench_throughput
     from .server import cli as server_cli
+    from .sim import cli as sim_cli
 
     bench_throughput.add_parser(bench)
     bench_serve.add_parser(bench)
     server_cli.add_parser(sub)
+    sim_cli.add_parser(sub)
     operator_cli.add_parser(sub)
     return parser
 

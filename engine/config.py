@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .quantity import parse_bytes
+from .sim.config import SimulationConfig
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
@@ -13,7 +14,7 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when the user gives nothing on CP
 
 @dataclass
 class EngineConfig:
-    model: str
+    model: str | None  # a model directory or builtin:tiny; with `simulate`, may be left out
     served_model_name: str | None = None
     dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
@@ -26,8 +27,18 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     seed: int = 0
+    simulate: SimulationConfig | None = None  # a timing model in place of the forward pass
 
     def __post_init__(self) -> None:
+        if isinstance(self.simulate, dict):
+            self.simulate = SimulationConfig(**self.simulate)
+        if self.simulate is not None:
+            if not self.simulate.model:
+                if not self.model:
+                    raise ValueError("simulate_model: name a model shape (llama-3.1-8b, a "
+                                     "config.json, ...) or give model")
+                self.simulate.model = self.model
+            self.model = self.model or self.simulate.model
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a model directory or builtin:tiny")
         if self.dtype not in DTYPE_CHOICES:

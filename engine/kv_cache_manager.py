@@ -16,14 +16,13 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     """The narrow boundary between scheduler and KV memory: find a cached prefix,
-    allocate slots for new tokens (or say None), free a request."""
+    allocate slots for new tokens (or say None), free a request. A request's block table
+    lives on the request (`block_ids`, appended as blocks are allocated)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
-        self._num_hashed: dict[str, int] = {}  # blocks of the request already in the index
         self.prefix_stats = PrefixCacheStats()
 
     @property
@@ -34,9 +33,6 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
-
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
     def _update_hashes(self, request: Request, num_tokens: int) -> None:
         bs = self.block_size
@@ -75,21 +71,27 @@ class KVCacheManager:
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones (plus any
         prefix-hit blocks, which must not be held by the request yet). None: no room."""
-        computed_blocks = computed_blocks or []
-        held = self.req_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        total = num_computed + num_new_tokens
-        needed = -(-total // self.block_size) - len(held) - len(computed_blocks)
-        # Reviving cached blocks takes them out of the free queue too.
-        evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if needed > self.pool.num_free_blocks - evictable_hits:
-            return None
-        self.pool.touch(computed_blocks)
-        new = self.pool.take(max(needed, 0)) or []
-        blocks = self.req_blocks.setdefault(request.request_id, [])
-        blocks.extend(computed_blocks)
-        blocks.extend(new)
-        if self.enable_prefix_caching:
+        bs = self.block_size
+        held = request.block_ids
+        if computed_blocks:
+            total = request.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
+            needed = -(-total // bs) - len(held) - len(computed_blocks)
+            # Reviving cached blocks takes them out of the free queue too.
+            evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+            if needed > self.pool.num_free_blocks - evictable_hits:
+                return None
+            self.pool.touch(computed_blocks)
+            held.extend(b.block_id for b in computed_blocks)
+        else:
+            total = request.num_computed_tokens + num_new_tokens
+            needed = -(-total // bs) - len(held)
+            if needed > self.pool.num_free_blocks:
+                return None
+        new = []
+        if needed > 0:  # most decode steps fit in the last block and skip this
+            new = self.pool.take(needed)
+            held.extend([b.block_id for b in new])
+        if self.enable_prefix_caching and total // bs > request.num_hashed_blocks:
             self._cache_full_blocks(request, total)
         return new
 
@@ -97,14 +99,14 @@ class KVCacheManager:
         # Blocks whose tokens are all computed by the end of this step become shareable:
         # within one forward pass each layer writes K/V before any attention reads it.
         self._update_hashes(request, num_tokens)
-        blocks = self.req_blocks[request.request_id]
-        start = self._num_hashed.get(request.request_id, 0)
+        blocks = self.pool.blocks
+        start = request.num_hashed_blocks
         full = min(num_tokens // self.block_size, len(request.block_hashes))
         for i in range(start, full):
-            self.pool.cache(blocks[i], request.block_hashes[i])
-        self._num_hashed[request.request_id] = max(start, full)
+            self.pool.cache(blocks[request.block_ids[i]], request.block_hashes[i])
+        request.num_hashed_blocks = max(start, full)
 
     def free(self, request: Request) -> None:
-        blocks = self.req_blocks.pop(request.request_id, [])
-        self._num_hashed.pop(request.request_id, None)
-        self.pool.release(list(reversed(blocks)))
+        ids, blocks = request.block_ids, self.pool.blocks
+        request.block_ids, request.num_hashed_blocks = [], 0
+        self.pool.release([blocks[i] for i in reversed(ids)])

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import time
+from array import array
 
-import torch
-
+from .clock import RealClock
 from .config import EngineConfig
+from .executor import Executor
 from .kv_cache_manager import KVCacheManager
-from .model_config import DTYPES, ModelConfig
-from .model_runner import ModelRunner
-from .model_source import resolve_model
+from .latency import LatencySink, finished_record
 from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestOutput
 from .quantity import format_bytes
@@ -23,69 +22,61 @@ from .tokenizer import Tokenizer
 log = logging.getLogger("kvpilot.engine")
 
 
-def _pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device is cuda but no CUDA device is available")
-    return torch.device(name)
+def load_executor(config: EngineConfig, clock) -> tuple[Executor, Tokenizer]:
+    """The real model (torch, imported only here) or, with `config.simulate`, the timing
+    model of an accelerator (no torch, no weights, no KV bytes)."""
+    if config.simulate is not None:
+        from .sim.executor import SimulatedExecutor
+
+        executor = SimulatedExecutor.load(config, clock)
+        return executor, executor.tokenizer
+    from .model_config import ModelConfig
+    from .model_runner import ModelRunner
+    from .model_source import resolve_model
+
+    model_dir = resolve_model(config.model)
+    model_config = ModelConfig.from_dir(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    return ModelRunner(config, model_config, str(model_dir)), tokenizer
 
 
-def _pick_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return DTYPES[name]
-    dtype = DTYPES[model_cfg.torch_dtype]
-    if device.type == "cpu" and dtype == torch.float16:
-        return torch.float32  # fp16 matmuls are slow or missing on CPUs
-    return dtype
+def _prompt_seed(prompt_ids: list[int], engine_seed: int) -> int:
+    """A seed for an unseeded request, fixed by its prompt (the simulator's tokens)."""
+    digest = hashlib.blake2b(array("q", prompt_ids).tobytes(), digest_size=8,
+                             key=engine_seed.to_bytes(8, "little", signed=True)).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, clock=None) -> None:
         self.config = config
-        model_dir = resolve_model(config.model)
-        self.model_config = ModelConfig.from_dir(model_dir)
-        self.tokenizer = Tokenizer.from_dir(model_dir)
-        self.device = _pick_device(config.device)
-        self.dtype = _pick_dtype(config.dtype, self.model_config, self.device)
-        torch.manual_seed(config.seed)
-        self.max_position_embeddings = self.model_config.max_position_embeddings
+        self.clock = clock or RealClock()
+        self.runner, self.tokenizer = load_executor(config, self.clock)
+        self.max_position_embeddings = self.runner.max_position_embeddings
         max_model_len = config.max_model_len or self.max_position_embeddings
         if max_model_len > self.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
                 f"({self.max_position_embeddings})"
             )
-        self.runner = ModelRunner(
-            config, self.model_config, str(model_dir), self.device, self.dtype, max_model_len
-        )
-        num_blocks = self._num_kv_blocks()
+        num_blocks = max(self.runner.kv_cache_budget() // self.runner.kv_bytes_per_block, 0)
         self.kv_capacity_tokens = num_blocks * config.block_size
         self._check_fits(max_model_len)
         self.runner.allocate_kv_cache(num_blocks)
         log.info(
-            "KV cache: %d blocks of %d tokens (%s, %d tokens); attention backend %s; %s on %s",
+            "KV cache: %d blocks of %d tokens (%s, %d tokens); %s",
             num_blocks, config.block_size, format_bytes(num_blocks * self.runner.kv_bytes_per_block),
-            self.kv_capacity_tokens, self.runner.backend, self.dtype, self.device,
+            self.kv_capacity_tokens, self.runner.describe(),
         )
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
-            self.kv_cache,
+            self.kv_cache, self.clock,
         )
         self.outputs = OutputProcessor(self.tokenizer)
+        self.latency_sink: LatencySink | None = None  # TTFT, gaps and finishes, as they happen
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-
-    def _num_kv_blocks(self) -> int:
-        per_block = self.runner.kv_bytes_per_block
-        if self.device.type == "cuda" and self.config.kv_cache_memory is None:
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            peak = self.runner.profile_peak_bytes(self.config.max_num_batched_tokens)
-            budget = int(total * self.config.gpu_memory_utilization) - peak
-        else:
-            budget = self.config.kv_cache_memory or (1 << 30)
-        return max(budget // per_block, 0)
 
     def _check_fits(self, max_model_len: int) -> None:
         if self.kv_capacity_tokens < max_model_len:
@@ -106,7 +97,7 @@ class LLMEngine:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+        return self.runner.weight_bytes
 
     # --- limits that can change while serving ----------------------------------------
     @property
@@ -146,10 +137,11 @@ class LLMEngine:
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+        vocab = self.runner.vocab_size
+        # The exact types in one C-level pass (bool is an int subclass), then min/max.
+        if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if type(t) is not int or not 0 <= t < vocab)
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad!r}")
         return ids
 
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
@@ -180,16 +172,15 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids or ()) | (
             frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
         )
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        arrival = arrival_time if arrival_time is not None else self.clock.now()
+        base_seed = params.seed if params.seed is not None else _prompt_seed(prompt_ids, self.config.seed)
         children = []
         for i in range(params.n):
-            gen = None
-            if params.seed is not None:
-                gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
             req = Request(
                 request_id=f"{request_id}#{i}", prompt_token_ids=prompt_ids,
                 sampling_params=params, max_tokens=max_tokens, stop_token_ids=stop_ids,
-                generator=gen,
+                seed=base_seed + i,
+                generator=self.runner.make_generator(params.seed + i) if params.seed is not None else None,
             )
             req.times.arrival = arrival
             children.append(req)
@@ -202,6 +193,8 @@ class LLMEngine:
             req = self.scheduler.abort(child_id)
             if req is not None:
                 self.outputs.on_finished(req)
+                if self.latency_sink is not None:
+                    self.latency_sink.record_finished(finished_record(req, "abort"))
         self.outputs.drop(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -212,27 +205,32 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
-        tables = [self.kv_cache.block_ids(s.request.request_id) for s in scheduled.scheduled]
-        result = self.runner.run(scheduled, tables)
-        sampled = dict(zip(result.request_ids, result.sampled.token_ids.tolist()))
-        progressed = self.scheduler.update(scheduled, sampled)
-        return self._emit(progressed, result)
+        result = self.runner.run(scheduled)
+        progressed = self.scheduler.update(scheduled, result.requests, result.token_ids)
+        return self._emit(progressed, result.logprobs)
 
-    def _emit(self, progressed: list[Request], result) -> list[RequestOutput]:
-        now = time.monotonic()
-        logprobs = self.outputs.logprob_rows(result)
-        for req in progressed:
-            self.generation_tokens_total += 1
+    def _emit(self, progressed: list[Request], logprobs) -> list[RequestOutput]:
+        now = self.clock.now()
+        sink = self.latency_sink
+        self.generation_tokens_total += len(progressed)
+        for k, req in enumerate(progressed):
+            times = req.times
             if len(req.output_token_ids) == 1:
                 self.prompt_tokens_total += req.num_prompt_tokens
-                req.times.first_token = now
-            req.times.last_token = now
-            stop = self.outputs.on_token(req, logprobs.get(req.request_id))
+                times.first_token = now
+                if sink is not None and self.outputs.first_token_of_group(req):
+                    sink.record_first_token(now - times.arrival)
+            elif sink is not None:
+                sink.record_inter_token(now - times.last_token)
+            times.last_token = now
+            stop = self.outputs.on_token(req, logprobs[k] if logprobs is not None else None)
             if stop is not None and not req.status.finished:
                 req.stop_reason = stop
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
             if req.status.finished:
                 self.outputs.on_finished(req)
+                if sink is not None:
+                    sink.record_finished(finished_record(req, req.status.value))
         return self.outputs.collect(progressed)
 
     def stats(self) -> EngineStats:

@@ -7,8 +7,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 # HF `architectures` entry -> our model family. Mistral is Llama-shaped.
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -16,13 +14,8 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
 }
 
-DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
+# config.json dtype names -> bytes per element (torch types live in device.py).
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
 @dataclass(frozen=True)
@@ -48,7 +41,7 @@ class ModelConfig:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K+V cache one token takes in the model's own dtype, all layers."""
-        elem = torch.empty((), dtype=DTYPES[self.torch_dtype]).element_size()
+        elem = DTYPE_BYTES[self.torch_dtype]
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
 
     @classmethod
@@ -71,7 +64,7 @@ class ModelConfig:
         rope_scaling = raw.get("rope_scaling")
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = dict(rope_params)
-        if dtype not in DTYPES:
+        if dtype not in DTYPE_BYTES:
             raise ValueError(f"config.json: torch_dtype={dtype!r} is not supported")
         return cls(
             architecture=family,

@@ -1,17 +1,18 @@
-"""Loads the model, owns the paged KV cache, and runs one scheduled step."""
+"""The real executor: loads the model in torch, owns the paged KV cache, runs one step."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
 import torch
 
 from .attention import PagedAttention, resolve_backend
 from .attention_metadata import AttentionMetadata
-from .config import EngineConfig
+from .config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from .device import pick_device, pick_dtype
+from .executor import StepResult
 from .model_config import ModelConfig
 from .models.llama import LlamaForCausalLM
+from .outputs import TokenLogprob
 from .sampler import Sampler, SamplerOutput, SamplingBatch
 from .scheduler import SchedulerOutput
 from .weights import iter_safetensors
@@ -19,28 +20,38 @@ from .weights import iter_safetensors
 log = logging.getLogger("kvpilot.engine")
 
 
-@dataclass
-class StepResult:
-    request_ids: list[str]  # rows of `sampled`, in order
-    sampled: SamplerOutput
-
-
 class ModelRunner:
-    def __init__(
-        self, config: EngineConfig, model_cfg: ModelConfig, model_dir: str,
-        device: torch.device, dtype: torch.dtype, max_model_len: int,
-    ) -> None:
-        self.device, self.dtype = device, dtype
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model_dir: str) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, model_cfg, self.device)
+        torch.manual_seed(config.seed)
         self.block_size = config.block_size
         self.model_cfg = model_cfg
-        self.backend = resolve_backend(config.attention_backend, device)
-        max_positions = max(max_model_len, model_cfg.max_position_embeddings)
+        self.vocab_size = model_cfg.vocab_size
+        self.max_position_embeddings = model_cfg.max_position_embeddings
+        self.backend = resolve_backend(config.attention_backend, self.device)
         self.model = LlamaForCausalLM.build(
-            model_cfg, PagedAttention(self.backend), max_positions, dtype, device
+            model_cfg, PagedAttention(self.backend), model_cfg.max_position_embeddings,
+            self.dtype, self.device,
         )
         self.model.load_weights(iter_safetensors(model_dir))
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def describe(self) -> str:
+        return f"attention backend {self.backend}; {self.dtype} on {self.device}"
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def kv_cache_budget(self) -> int:
+        if self.device.type == "cuda" and self.config.kv_cache_memory is None:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            peak = self.profile_peak_bytes(self.config.max_num_batched_tokens)
+            return int(total * self.config.gpu_memory_utilization) - peak
+        return self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -73,7 +84,7 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepResult:
+    def run(self, out: SchedulerOutput) -> StepResult:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -82,6 +93,7 @@ class ModelRunner:
         query_lens: list[int] = []
         sample_rows: list[int] = []
         sample_requests = []
+        block_tables = [item.request.block_ids for item in out.scheduled]
         for item, table in zip(out.scheduled, block_tables):
             req = item.request
             start = req.num_computed_tokens
@@ -116,10 +128,21 @@ class ModelRunner:
             self.kv_caches, meta,
         )  # [num_tokens, hidden]
         if not sample_rows:
-            return StepResult([], SamplerOutput(token_ids=torch.empty(0, dtype=torch.long)))
+            return StepResult([], [])
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
         batch = SamplingBatch.build(sample_requests, logits.shape[-1], dev)
-        return StepResult([r.request_id for r in sample_requests], self.sampler(logits, batch))
+        sampled = self.sampler(logits, batch)
+        return StepResult(sample_requests, sampled.token_ids.tolist(),
+                          _host_logprobs(sampled))
+
+
+def _host_logprobs(s: SamplerOutput) -> list[TokenLogprob] | None:
+    """One host copy of the step's logprob tensors, one row per sampled request."""
+    if s.logprob is None:
+        return None
+    chosen, ids, lps = s.logprob.tolist(), s.top_ids.tolist(), s.top_logprobs.tolist()
+    return [TokenLogprob(t, chosen[i], list(zip(ids[i], lps[i])))
+            for i, t in enumerate(s.token_ids.tolist())]
 
 
 def _prefill_meta(num_tokens: int, block_size: int, device: torch.device) -> AttentionMetadata:

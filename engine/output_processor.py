@@ -19,6 +19,7 @@ class _Group:
     children: list[Request]
     completions: list[CompletionOutput]
     detokenizers: list[IncrementalDetokenizer]
+    first_token_seen: bool = False
 
 
 class OutputProcessor:
@@ -47,7 +48,7 @@ class OutputProcessor:
             detokenizers=[
                 IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
                 for _ in children
-            ],
+            ] if params.detokenize else [],
         )
         self._groups[request_id] = group
         for i, child in enumerate(children):
@@ -58,18 +59,11 @@ class OutputProcessor:
         for child in group.children if group else ():
             self._child.pop(child.request_id, None)
 
-    @staticmethod
-    def logprob_rows(result) -> dict[str, TokenLogprob]:
-        """One host copy of the step's logprob tensors, split per request."""
-        s = result.sampled
-        if s.logprob is None:
-            return {}
-        chosen, ids, lps = s.logprob.tolist(), s.top_ids.tolist(), s.top_logprobs.tolist()
-        tokens = s.token_ids.tolist()
-        return {
-            rid: TokenLogprob(tokens[i], chosen[i], list(zip(ids[i], lps[i])))
-            for i, rid in enumerate(result.request_ids)
-        }
+    def first_token_of_group(self, req: Request) -> bool:
+        """True once per user request: when any of its n choices gets its first token."""
+        group = self._child[req.request_id][0]
+        seen, group.first_token_seen = group.first_token_seen, True
+        return not seen
 
     def on_token(self, req: Request, logprob: TokenLogprob | None) -> str | None:
         """Record the request's newest token; return the stop string it completed, if any."""
@@ -82,6 +76,8 @@ class OutputProcessor:
             logprob.top = logprob.top[: params.logprobs]
             out.logprobs.append(logprob)
             out.cumulative_logprob += logprob.logprob
+        if not params.detokenize:
+            return None
         ended_by_stop_token = req.status is RequestStatus.FINISHED_STOPPED and token in req.stop_token_ids
         detok = group.detokenizers[i]
         before = len(detok.text)
@@ -110,6 +106,9 @@ class OutputProcessor:
         out = group.completions[i]
         if out.finish_reason == "stop" and isinstance(out.stop_reason, str):
             return  # text already cut at the stop string
+        if not req.sampling_params.detokenize:
+            out.finish_reason, out.stop_reason = req.status.value, req.stop_reason
+            return
         detok = group.detokenizers[i]
         detok.flush()
         out.text = detok.text
@@ -117,13 +116,22 @@ class OutputProcessor:
         out.stop_reason = req.stop_reason
 
     def collect(self, progressed: list[Request]) -> list[RequestOutput]:
-        groups: dict[str, _Group] = {}
-        for req in progressed:
-            group, _ = self._child[req.request_id]
-            groups[group.request_id] = group
         results = []
-        for group in groups.values():
-            finished = all(c.status.finished for c in group.children)
+        seen: set[str] = set()
+        for req in progressed:
+            entry = self._child.get(req.request_id)
+            if entry is None:
+                continue  # a sibling already finished the group in this loop
+            group = entry[0]
+            if len(group.children) > 1:
+                if group.request_id in seen:
+                    continue
+                seen.add(group.request_id)
+                finished = all(c.status.finished for c in group.children)
+            else:
+                finished = req.status.finished
+            if not finished and req.sampling_params.output_kind == "final_only":
+                continue
             results.append(RequestOutput(
                 request_id=group.request_id, prompt=group.prompt,
                 prompt_token_ids=group.prompt_token_ids, outputs=group.completions,
@@ -135,6 +143,12 @@ class OutputProcessor:
 
 
 def _metrics(children: list[Request]) -> RequestMetrics:
+    if len(children) == 1:
+        c = children[0]
+        t = c.times
+        return RequestMetrics(t.arrival, t.first_scheduled, t.first_token, t.last_token, t.finished,
+                              c.num_cached_tokens or 0, c.num_preemptions)
+
     def first(values):
         values = [v for v in values if v is not None]
         return min(values) if values else None

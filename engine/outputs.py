@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the most likely alternatives, best first
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str  # cumulative; while streaming, a possible stop-string prefix is held back
@@ -27,7 +27,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     """Monotonic timestamps (time.monotonic()) of one request's life."""
 
@@ -46,7 +46,7 @@ class RequestMetrics:
         return self.first_scheduled_time - self.arrival_time
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

@@ -5,8 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import Any
 
 from .sampling_params import SamplingParams
 
@@ -19,16 +18,12 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-        )
+    def __init__(self, value: str) -> None:
+        # A plain attribute, not a property: the engine asks this per request per step.
+        self.finished = value in ("stop", "length", "abort")
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestTimes:
     arrival: float
     first_scheduled: float | None = None
@@ -37,7 +32,7 @@ class RequestTimes:
     finished: float | None = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """A single sequence. `num_computed_tokens` chases `num_tokens`; that is the whole
     scheduling rule: a prompt is many uncomputed tokens, a decode is one."""
@@ -47,7 +42,8 @@ class Request:
     sampling_params: SamplingParams
     max_tokens: int  # resolved against max_model_len at admission
     stop_token_ids: frozenset[int]  # eos (unless ignore_eos) plus the user's stop ids
-    generator: torch.Generator | None = None
+    seed: int = 0  # per sequence: the user's seed + child index, else derived from the prompt
+    generator: Any = None  # the executor's per-request generator (a torch.Generator), if seeded
     times: RequestTimes = field(default_factory=lambda: RequestTimes(arrival=time.monotonic()))
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -56,6 +52,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
+    block_ids: list[int] = field(default_factory=list)  # the block table: physical block per logical
+    num_hashed_blocks: int = 0  # leading blocks already registered in the prefix index
 
     @property
     def all_token_ids(self) -> list[int]:

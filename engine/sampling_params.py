@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+OUTPUT_KINDS = ("cumulative", "final_only")  # vLLM's RequestOutputKind names
 
 
 def _require_int(name: str, value: object) -> int:
@@ -42,6 +43,8 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives per generated token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only (the simulator's default; no stop strings)
+    output_kind: str = "cumulative"  # final_only: a RequestOutput only when the request ends
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -81,6 +84,10 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
         self.stop_strings = tuple(stops)
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
+        if stops and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True")
         ids = list(self.stop_token_ids or [])
         for t in ids:
             if _require_int("stop_token_ids", t) < 0:

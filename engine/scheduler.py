@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from .clock import RealClock
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 
@@ -19,7 +19,7 @@ class SchedulerLimits:
     max_model_len: int
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
@@ -32,6 +32,7 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    started_at: float = 0.0  # when schedule() began: the step's start on the engine's clock
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
@@ -45,8 +46,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, kv_cache: KVCacheManager) -> None:
+    def __init__(self, limits: SchedulerLimits, kv_cache: KVCacheManager, clock=None) -> None:
         self.limits = limits
+        self.clock = clock or RealClock()
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -64,29 +66,32 @@ class Scheduler:
         return len(self.requests)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        now = self.clock.now()
+        out = SchedulerOutput(started_at=now)
         budget = self.limits.max_num_batched_tokens
         # 1. Running requests first, oldest first; the newest is preempted when blocks run out.
+        running, allocate, scheduled = self.running, self.kv_cache.allocate_slots, out.scheduled
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new = len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens
             if num_new <= 0:
                 i += 1
                 continue
-            while self.kv_cache.allocate_slots(request, num_new) is None:
-                victim = self.running.pop()
+            if num_new > budget:
+                num_new = budget
+            while allocate(request, num_new) is None:
+                victim = running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
             i += 1
         # 2. Admit waiting requests in arrival order, unless this step already ran short.
-        now = time.monotonic()
         while (
             not out.preempted
             and self.waiting
@@ -120,22 +125,19 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens; return requests that got a token."""
-        progressed = []
+    def update(self, out: SchedulerOutput, sampled_requests: list[Request],
+               token_ids: list[int]) -> list[Request]:
+        """Advance computed tokens, append the sampled tokens (one per sampled request,
+        aligned); return the requests that got a token."""
         for item in out.scheduled:
-            request = item.request
-            request.num_computed_tokens += item.num_new_tokens
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue  # a prefill chunk that did not reach the end of the prompt
+            item.request.num_computed_tokens += item.num_new_tokens
+        for request, token in zip(sampled_requests, token_ids):
             # max_tokens was fixed against max_model_len at admission, so a live change
             # of max_model_len never cuts a request already accepted.
             status = request.append_token(token)
-            progressed.append(request)
             if status is not None:
                 self.finish(request, status)
-        return progressed
+        return sampled_requests
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request (stop, length or abort) and free its blocks; idempotent."""
@@ -146,7 +148,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
-        request.times.finished = time.monotonic()
+        request.times.finished = self.clock.now()
         self.kv_cache.free(request)
         self.requests.pop(request.request_id, None)
 

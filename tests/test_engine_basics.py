@@ -52,7 +52,7 @@ def llm():
 
 def test_tiny_model_kv_arithmetic(llm):
     assert llm.engine.kv_capacity_tokens == 2048
-    assert llm.engine.model_config.kv_bytes_per_token == TINY_KV_BYTES_PER_TOKEN
+    assert llm.engine.kv_bytes_per_token == TINY_KV_BYTES_PER_TOKEN
 
 
 def test_live_limits_validate_and_apply(llm):

@@ -27,17 +27,20 @@ class Harness:
         self.sched = Scheduler(SchedulerLimits(max_num_seqs, budget, num_blocks * BLOCK), self.kv)
         self.contents: dict[int, list[int | None]] = {}  # block id -> tokens written
         self.next_id = 0
+        self.all: list[Request] = []
 
     def add(self, prompt: list[int], max_tokens: int) -> None:
-        self.sched.add_request(_request(f"r{self.next_id}", prompt, max_tokens))
+        req = _request(f"r{self.next_id}", prompt, max_tokens)
+        self.all.append(req)
+        self.sched.add_request(req)
         self.next_id += 1
 
     def step(self) -> None:
         out = self.sched.schedule()
-        sampled = {}
+        sampled, tokens = [], []
         for item in out.scheduled:
             req = item.request
-            table = self.kv.block_ids(req.request_id)
+            table = req.block_ids
             start = req.num_computed_tokens
             # Every already-computed position (incl. prefix hits) must hold the right token.
             for pos in range(start):
@@ -48,8 +51,9 @@ class Harness:
                     req.all_token_ids[pos]
                 )
             if item.samples:
-                sampled[req.request_id] = 1 + sum(req.all_token_ids) % 7  # never the stop id 0
-        self.sched.update(out, sampled)
+                sampled.append(req)
+                tokens.append(1 + sum(req.all_token_ids) % 7)  # never the stop id 0
+        self.sched.update(out, sampled, tokens)
         self.check()
 
     def abort_oldest(self) -> None:
@@ -60,8 +64,8 @@ class Harness:
     def check(self) -> None:
         pool = self.kv.pool
         held: dict[int, int] = {}
-        for blocks in self.kv.req_blocks.values():
-            ids = [b.block_id for b in blocks]
+        for req in self.all:
+            ids = req.block_ids
             assert len(ids) == len(set(ids)), "a request holds a block twice"
             for b in ids:
                 held[b] = held.get(b, 0) + 1
@@ -70,7 +74,7 @@ class Harness:
             assert block.ref_cnt == held.get(block.block_id, 0), "reference count drifted"
         free = {b.block_id for b in pool.blocks if b.ref_cnt == 0}
         assert pool.num_free_blocks == len(free), "free queue disagrees with ref counts"
-        assert set(self.kv.req_blocks) <= {
+        assert {r.request_id for r in self.all if r.block_ids} <= {
             r.request_id for r in self.sched.running
         } | {r.request_id for r in self.sched.waiting}
         assert len(self.sched.running) <= self.sched.limits.max_num_seqs

@@ -14,12 +14,12 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
 from ..outputs import CompletionOutput, RequestOutput, TokenLogprob
 from ..sampling_params import SamplingParams
-from .metrics import FinishedRequest, ServerMetrics
+from .metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from ..llm_engine import LLMEngine
@@ -67,21 +67,11 @@ def _copy(out: CompletionOutput) -> Choice:
 
 @dataclass
 class _Track:
-    """Engine-thread bookkeeping per request, for latency metrics and final snapshots."""
+    """Engine-thread bookkeeping per request (the engine itself records its latencies)."""
 
-    arrival: float
     num_prompt_tokens: int
     n: int
-    counts: list[int] = field(default_factory=list)
-    first: list[float | None] = field(default_factory=list)
-    last: list[float | None] = field(default_factory=list)
-    first_token_seen: bool = False
     latest: Snapshot | None = None
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * self.n
-        self.first = [None] * self.n
-        self.last = [None] * self.n
 
 
 class RequestStream:
@@ -133,6 +123,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
+        engine.latency_sink = metrics  # called on the engine thread, between steps
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -291,7 +282,7 @@ class AsyncEngine:
         except Exception as exc:
             fut.set_exception(exc)
             return
-        self._live[rid] = _Track(arrival, len(prompt_ids), params.n)
+        self._live[rid] = _Track(len(prompt_ids), params.n)
         fut.set_result(None)
 
     def _do_abort(self, rid: str) -> None:
@@ -299,7 +290,6 @@ class AsyncEngine:
         if track is None:
             return
         self.engine.abort_request(rid)
-        now = time.monotonic()
         latest = track.latest
         if latest is not None:
             choices = [replace(c) for c in latest.choices]  # the loop may still read the old ones
@@ -307,7 +297,6 @@ class AsyncEngine:
             choices = [Choice(i, "", [], None, None, None) for i in range(track.n)]
         for c in choices:
             c.finish_reason = c.finish_reason or "abort"
-            self._record_finished(track, c.index, c.finish_reason, now, None)
         self._post([Snapshot(rid, choices, True, track.num_prompt_tokens,
                              latest.num_cached_tokens if latest else 0)])
 
@@ -323,46 +312,16 @@ class AsyncEngine:
         self._post(batch)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        now = time.monotonic()
         batch = []
         for out in outputs:
             track = self._live.get(out.request_id)
             if track is None:
                 continue  # aborted while this step ran
             m = out.metrics
-            for c in out.outputs:
-                n_tok, i = len(c.token_ids), c.index
-                if n_tok > track.counts[i]:
-                    if not track.first_token_seen:
-                        track.first_token_seen = True
-                        first = m.first_token_time if m and m.first_token_time else now
-                        self.metrics.record_first_token(first - track.arrival)
-                    if track.last[i] is not None:
-                        self.metrics.record_inter_token(now - track.last[i])
-                    if track.first[i] is None:
-                        track.first[i] = now
-                    track.last[i] = now
-                    track.counts[i] = n_tok
             snap = Snapshot(out.request_id, [_copy(c) for c in out.outputs], out.finished,
                             len(out.prompt_token_ids), m.num_cached_tokens if m else 0)
             track.latest = snap
             batch.append(snap)
             if out.finished:
                 del self._live[out.request_id]
-                queue_time = m.queue_time if m else None
-                for c in snap.choices:
-                    self._record_finished(track, c.index, c.finish_reason or "stop", now, queue_time)
         self._post(batch)
-
-    def _record_finished(self, track: _Track, i: int, reason: str, now: float,
-                         queue_time: float | None) -> None:
-        n = track.counts[i]
-        tpot = None
-        if n > 1 and track.first[i] is not None and track.last[i] is not None:
-            tpot = (track.last[i] - track.first[i]) / (n - 1)
-        ttft = track.first[i] - track.arrival if track.first[i] is not None else None
-        self.metrics.record_finished(FinishedRequest(
-            finish_reason=reason, num_prompt_tokens=track.num_prompt_tokens,
-            num_generation_tokens=n, e2e_latency=now - track.arrival, queue_time=queue_time,
-            ttft=ttft, mean_time_per_output_token=tpot,
-        ))

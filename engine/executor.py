@@ -1,0 +1,45 @@
+"""The boundary between the engine core and whatever runs the model's forward pass.
+
+Two implementations: `ModelRunner` (the real model in torch) and the simulator's
+`SimulatedExecutor` (a timing model, no torch). The engine core (scheduler, KV cache
+manager, output processor) never imports torch, so the simulated path stays small."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .outputs import TokenLogprob
+from .request import Request
+from .scheduler import SchedulerOutput
+
+
+@dataclass
+class StepResult:
+    """One step's sampled tokens, on the host, one row per request that sampled (in
+    scheduled order)."""
+
+    requests: list[Request]
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # None when no request in the step asked
+
+
+class Executor(Protocol):
+    vocab_size: int  # token ids a prompt may hold
+    max_position_embeddings: int
+    kv_bytes_per_block: int
+    weight_bytes: int
+
+    def describe(self) -> str:
+        """Where the forward pass runs, for the start-up log line."""
+
+    def kv_cache_budget(self) -> int:
+        """Bytes the KV cache may take (before rounding down to whole blocks)."""
+
+    def allocate_kv_cache(self, num_blocks: int) -> None: ...
+
+    def make_generator(self, seed: int) -> Any:
+        """A per-request random generator for a seeded request (None if not needed)."""
+
+    def run(self, out: SchedulerOutput) -> StepResult:
+        """Run one step; each scheduled request's block table is `request.block_ids`."""

@@ -1,0 +1,150 @@
+"""`kvpilot sim`: the virtual-clock simulator on the command line.
+
+  kvpilot sim run --simulate h100-80gb --simulate-model llama-3.1-8b --max-model-len 8192 \\
+      --phase "duration=3600 rate=6 input=lognormal:800:0.8 output=lognormal:250:0.8"
+  kvpilot sim trace --phase "..." --out day.jsonl      (write a generated trace)
+  kvpilot sim describe --simulate l4 --simulate-model llama-3.1-8b  (capacity and step times)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+
+def _add_workload(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("workload")
+    src = w.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", default=None, help="a JSONL trace (arrival, prompt_len, output_len, ...)")
+    src.add_argument("--phase", action="append", default=None, metavar="SPEC",
+                     help='a phase of generated traffic, e.g. "duration=600 rate=4 input=uniform:128:1024 '
+                          'output=lognormal:200:0.8 burstiness=1 prefix_len=0"; repeat for more phases')
+    w.add_argument("--trace-seed", type=int, default=0, help="the trace generator's seed")
+
+
+def _trace(args, max_len: int | None):
+    from .trace import Phase, generate, read_trace
+
+    if args.trace:
+        return read_trace(args.trace)
+    return list(generate([Phase.parse(text) for text in args.phase], seed=args.trace_seed, max_len=max_len))
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from ..bench_serve_stats import parse_goodput
+    from ..cli import engine_config_from_args
+    from .fleet import Fleet
+    from .report import print_sim_result, summarize
+
+    config = engine_config_from_args(args)
+    if config.simulate is None:
+        raise ValueError("kvpilot sim run needs --simulate ACCELERATOR (and --simulate-model)")
+    goodput = parse_goodput(args.goodput)
+    fleet = Fleet(config, replicas=args.replicas, router=args.router,
+                  scrape_interval=args.scrape_interval, max_concurrency=args.max_concurrency)
+    trace = _trace(args, fleet.replicas[0].engine.max_model_len)
+    horizon = max(r.arrival for r in trace)
+    started = time.perf_counter()
+    fleet.submit(trace)
+    from tqdm.auto import tqdm
+
+    with tqdm(total=math.ceil(horizon), unit="sim s", desc="simulating", disable=args.disable_tqdm,
+              file=sys.stderr) as bar:
+        t = 0.0
+        while t < horizon:
+            t = min(t + 10.0, horizon)
+            fleet.run_until(t)
+            bar.update(min(math.ceil(t), bar.total) - bar.n)
+    fleet.run(())
+    wall = time.perf_counter() - started
+    result = summarize(fleet, goodput)
+    result["wall_s"] = wall
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_sim_result(result)
+        print(f"{'Simulated / wall time (s):':<40} {result['duration']:.0f} / {wall:.1f}")
+    if args.save_result:
+        with open(args.save_result, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.save_scrapes:
+        with open(args.save_scrapes, "w") as f:
+            for sc in fleet.scrapes:
+                f.write(json.dumps({"time": sc.time, "replica": sc.replica, "samples": [
+                    [s.name, s.labels, s.value] for s in sc.samples]}) + "\n")
+    return 0 if result["completed"] else 1
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from .trace import write_trace
+
+    n = write_trace(args.out, _trace(args, args.max_len))
+    print(f"wrote {n} requests to {args.out}")
+    return 0
+
+
+def _cmd_describe(args: argparse.Namespace) -> int:
+    from ..cli import engine_config_from_args
+    from ..clock import VirtualClock
+    from ..llm_engine import LLMEngine
+    from .timing import BatchShape, step_cost
+
+    config = engine_config_from_args(args)
+    if config.simulate is None:
+        raise ValueError("kvpilot sim describe needs --simulate ACCELERATOR")
+    engine = LLMEngine(config, VirtualClock())
+    ex = engine.runner
+    print(ex.describe())
+    print(f"KV cache: {engine.kv_capacity_tokens} tokens ({engine.kv_cache.num_blocks} blocks of "
+          f"{config.block_size}); {ex.model.kv_bytes_per_token} bytes per token; holds "
+          f"{engine.kv_capacity_tokens // engine.max_model_len} sequences of max_model_len "
+          f"{engine.max_model_len}")
+    print("\nstep times (modelled):")
+    print(f"{'step':<34}{'time ms':>9}{'tokens/s':>11}  bound")
+    for label, shape in [(f"decode batch {b}, context {c}", BatchShape.of([(1, c)] * b))
+                         for b, c in ((1, 1024), (8, 1024), (32, 1024), (64, 2048), (128, 2048), (256, 2048))
+                         ] + [(f"one prefill of {n} tokens", BatchShape.of([(n, n)])) for n in (512, 2048, 8192)]:
+        cost = step_cost(ex.model, ex.accelerator, shape)
+        rate = (shape.num_sampled if shape.num_tokens == shape.num_seqs else shape.num_tokens) / cost.total_s
+        bound = "memory" if cost.gemm_memory_bound else "compute"
+        print(f"{label:<34}{cost.total_s * 1000:>9.2f}{rate:>11.0f}  {bound}")
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from ..cli import add_engine_args
+
+    sim = subparsers.add_parser("sim", help="the virtual-clock simulator of simulated GPU replicas")
+    sub = sim.add_subparsers(dest="sim_command", required=True)
+
+    p = sub.add_parser("run", help="run a trace through simulated replicas in virtual time")
+    add_engine_args(p)
+    _add_workload(p)
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--router", default="round-robin", choices=("round-robin", "least-loaded"))
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="closed loop, as bench serve: at most this many requests in flight")
+    p.add_argument("--scrape-interval", type=float, default=15.0,
+                   help="seconds between metric scrapes, as Prometheus would take them")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLOs for goodput, as bench serve: ttft:2000 tpot:50 e2el:...")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--save-result", default=None, metavar="FILE")
+    p.add_argument("--save-scrapes", default=None, metavar="FILE",
+                   help="every scrape as JSONL (time, replica, samples)")
+    p.add_argument("--disable-tqdm", action="store_true")
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("trace", help="write a generated trace as JSONL")
+    _add_workload(p)
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-len", type=int, default=None, help="clip prompt + output to this many tokens")
+    p.set_defaults(func=_cmd_trace)
+
+    p = sub.add_parser("describe", help="the modelled KV capacity and step times of an accelerator")
+    add_engine_args(p)
+    p.set_defaults(func=_cmd_describe)
+    return sim

@@ -1,0 +1,44 @@
+"""Simulation settings: which accelerator and model to model, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..quantity import parse_bytes
+from .tokens import OutputLengths
+
+DEFAULT_OUTPUT_LEN = "lognormal:256:1.0"
+
+
+@dataclass
+class SimulationConfig:
+    accelerator: str = field(metadata={
+        "help": "accelerator to model: h200, h100-80gb, a100-80gb, l40s, l4, a10g, or a JSON "
+                "file of accelerator fields"})
+    model: str | None = field(default=None, metadata={
+        "help": "model shape: llama-3.1-8b, llama-3.1-70b, qwen2.5-7b, mistral-7b, a config.json "
+                "or a model directory (default: --model)"})
+    calibration: str | None = field(default=None, metadata={
+        "help": "JSON from `kvpilot sim calibrate`: fitted overheads and achievable fractions"})
+    memory: int | str | None = field(default=None, metadata={
+        "help": "override the accelerator's memory (bytes; 40Gi, 80G)"})
+    bandwidth_gbps: float | None = field(default=None, metadata={
+        "help": "override the accelerator's peak memory bandwidth, GB/s"})
+    tflops: float | None = field(default=None, metadata={
+        "help": "override the accelerator's dense bf16 peak, TFLOP/s"})
+    output_len: str = field(default=DEFAULT_OUTPUT_LEN, metadata={
+        "help": "where EOS comes unless a request ignores it: fixed:N, uniform:LO:HI, "
+                "exponential:MEAN or lognormal:MEDIAN:SIGMA"})
+    output_lengths: OutputLengths = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.accelerator, str) or not self.accelerator:
+            raise ValueError("simulate: name an accelerator (h100-80gb, ...) or a JSON file")
+        if self.memory is not None:
+            self.memory = parse_bytes("simulate_memory", self.memory)
+        for name in ("bandwidth_gbps", "tflops"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < 1e7):
+                raise ValueError(f"simulate_{name} must be a positive number, got {value!r}")
+        self.output_lengths = OutputLengths.parse(self.output_len)

@@ -1,0 +1,111 @@
+"""The simulated executor: the real engine's scheduler, KV cache manager and output
+path, with the model's forward pass replaced by the timing model. A step waits its
+modelled time on the engine's clock (real time in a server, virtual time in
+`kvpilot sim`) and returns deterministic tokens. No weights are loaded and the KV
+cache's bytes are never allocated: only the block bookkeeping is real."""
+
+from __future__ import annotations
+
+from ..config import EngineConfig
+from ..executor import StepResult
+from ..scheduler import SchedulerOutput
+from ..tokenizer import Tokenizer
+from .hardware import Accelerator, resolve_accelerator
+from .shapes import ModelShape, resolve_model_shape
+from .timing import QUERY_TILE, BatchShape, MemoryPlan, plan_memory, step_time
+from .tokenizer import simulated_tokenizer
+from .tokens import TokenSource
+
+TFLOP, GB = 1e12, 1e9
+
+
+def _token_range(tokenizer: Tokenizer) -> tuple[int, int]:
+    """Ordinary (non-special) token ids, where they are contiguous: after the special
+    ids when those come first (the tiny tokenizer), before them when they come last
+    (Llama 3's 128000+)."""
+    special = tokenizer.all_special_ids
+    vocab = tokenizer.vocab_size
+    if not special:
+        return 0, vocab
+    if max(special) < vocab // 2:
+        return max(special) + 1, vocab
+    return 0, min(special)
+
+
+class SimulatedExecutor:
+    def __init__(self, config: EngineConfig, clock, model: ModelShape, accelerator: Accelerator,
+                 tokenizer: Tokenizer) -> None:
+        sim = config.simulate
+        self.config, self.clock = config, clock
+        self.model, self.accelerator, self.tokenizer = model, accelerator, tokenizer
+        self.vocab_size = model.vocab_size
+        self.max_position_embeddings = model.max_position_embeddings
+        self.kv_bytes_per_block = model.kv_bytes_per_token * config.block_size
+        self.weight_bytes = model.weight_bytes
+        self.memory: MemoryPlan | None = None
+        eos = min(tokenizer.eos_token_ids) if tokenizer.eos_token_ids else None
+        self.tokens = TokenSource(*_token_range(tokenizer), eos, sim.output_lengths)
+        self.busy_s = 0.0  # modelled time spent in steps
+        self.num_steps = 0
+
+    @classmethod
+    def load(cls, config: EngineConfig, clock) -> SimulatedExecutor:
+        sim = config.simulate
+        model = resolve_model_shape(sim.model, config.dtype)
+        acc = resolve_accelerator(
+            sim.accelerator, sim.calibration, memory_bytes=sim.memory,
+            bandwidth=sim.bandwidth_gbps * GB if sim.bandwidth_gbps else None,
+            flops=sim.tflops * TFLOP if sim.tflops else None)
+        return cls(config, clock, model, acc, simulated_tokenizer(model.tokenizer_dir,
+                                                                  model.max_position_embeddings))
+
+    def describe(self) -> str:
+        acc = self.accelerator
+        plan = f"; {self.memory.describe()}" if self.memory else ""
+        return (f"SIMULATED {acc.name} ({acc.memory_bytes / 2**30:.0f} GiB, "
+                f"{acc.bandwidth / GB:.0f} GB/s, {acc.flops / TFLOP:.0f} TFLOP/s) serving "
+                f"{self.model.name} in {self.model.dtype} ({self.model.num_params / 1e9:.2f}B "
+                f"parameters){plan}")
+
+    def kv_cache_budget(self) -> int:
+        if self.config.kv_cache_memory is not None:
+            return self.config.kv_cache_memory
+        self.memory = plan_memory(self.model, self.accelerator, self.config.gpu_memory_utilization,
+                                  self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        return self.memory.kv_cache_bytes
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Nothing to allocate: the KV cache manager's block bookkeeping is the cache."""
+
+    def make_generator(self, seed: int) -> None:
+        return None  # tokens are a function of the request's seed and position
+
+    def run(self, out: SchedulerOutput) -> StepResult:
+        sampled = []
+        tokens = pairs = reads = 0
+        for item in out.scheduled:  # BatchShape.of, inlined: this runs per sequence per step
+            req, new = item.request, item.num_new_tokens
+            start = req.num_computed_tokens
+            tokens += new
+            if new == 1:
+                pairs += start + 1
+                reads += start + 1
+            else:
+                pairs += new * start + new * (new + 1) // 2
+                reads += (start + new) * -(-new // QUERY_TILE)
+            if start + new == len(req.prompt_token_ids) + len(req.output_token_ids):
+                sampled.append(req)
+        batch = BatchShape(len(out.scheduled), tokens, len(sampled), pairs, reads)
+        duration = step_time(self.model, self.accelerator, batch)
+        self.busy_s += duration
+        self.num_steps += 1
+        self.clock.sleep_until(out.started_at + duration)
+        token = self.tokens.token
+        tokens = [token(r.seed, len(r.output_token_ids), r.sampling_params.ignore_eos,
+                        r.sampling_params.min_tokens) for r in sampled]
+        want_logprobs = any(r.sampling_params.logprobs is not None for r in sampled)
+        logprobs = None
+        if want_logprobs:
+            logprobs = [self.tokens.logprob(r.seed, len(r.output_token_ids), t, r.sampling_params.logprobs or 0)
+                        for r, t in zip(sampled, tokens)]
+        return StepResult(sampled, tokens, logprobs)

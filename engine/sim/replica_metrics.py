@@ -1,0 +1,147 @@
+"""A simulated replica's metrics, kept as plain numbers and read the way Prometheus
+reads a pod: the same series names, labels and bucket boundaries as `kvpilot serve`'s
+/metrics (vLLM's), sampled at scrape times on the virtual clock. prometheus_client's own
+collectors would cost a lock and a bisect per token; this keeps them as counts."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+from ..latency import FinishedRequest
+from ..metric_buckets import (ENGINE_INDEX, FINISH_REASONS, REQUEST_LATENCY_BUCKETS,
+                              TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS, buckets_1_2_5)
+from ..outputs import EngineStats
+from .log_histogram import LogHistogram
+
+
+class Histogram:
+    def __init__(self, bounds: tuple[float, ...] | list[float]) -> None:
+        self.bounds = tuple(float(b) for b in bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect_left(self.bounds, value)] += times
+        self.sum += value * times
+        self.count += times
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, total = [], 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts):
+            total += n
+            out.append(("+Inf" if bound == float("inf") else _le(bound), total))
+        return out
+
+
+def _le(bound: float) -> str:
+    """An `le` label as prometheus_client writes it (floats: 0.5, 1.0, 20.0)."""
+    return repr(float(bound))
+
+
+@dataclass
+class Sample:
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+@dataclass
+class ReplicaMetrics:
+    model_name: str
+    max_model_len: int
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    max_num_seqs: float = 0.0
+    max_model_len_live: float = 0.0
+    counters: dict[str, float] = field(default_factory=lambda: {
+        "vllm:num_preemptions_total": 0.0, "vllm:prefix_cache_queries_total": 0.0,
+        "vllm:prefix_cache_hits_total": 0.0, "vllm:prompt_tokens_total": 0.0,
+        "vllm:generation_tokens_total": 0.0})
+    success: dict[str, float] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0.0))
+    capacity: dict[str, float] = field(default_factory=dict)
+    length_refusals: float = 0.0
+
+    def __post_init__(self) -> None:
+        tokens = buckets_1_2_5(self.max_model_len)
+        self.histograms = {
+            "vllm:time_to_first_token_seconds": Histogram(TTFT_BUCKETS),
+            "vllm:inter_token_latency_seconds": Histogram(TOKEN_LATENCY_BUCKETS),
+            "vllm:request_time_per_output_token_seconds": Histogram(TOKEN_LATENCY_BUCKETS),
+            "vllm:e2e_request_latency_seconds": Histogram(REQUEST_LATENCY_BUCKETS),
+            "vllm:request_queue_time_seconds": Histogram(REQUEST_LATENCY_BUCKETS),
+            "vllm:request_prompt_tokens": Histogram(tokens),
+            "vllm:request_generation_tokens": Histogram(tokens),
+        }
+        self._ttft = self.histograms["vllm:time_to_first_token_seconds"]
+        self._itl = self.histograms["vllm:inter_token_latency_seconds"]
+        self.itl_fine = LogHistogram()  # the same gaps at 1 % resolution, for the report
+        # A step gives most running sequences the same gap: count repeats, observe once.
+        self._gap, self._gap_repeats = 0.0, 0
+
+    # --- the server's ServerMetrics interface ---------------------------------------------
+    def record_capacity(self, kv_cache_bytes: int, kv_bytes_per_token: int, weight_bytes: int) -> None:
+        self.capacity = {"kvpilot:kv_cache_bytes": kv_cache_bytes,
+                         "kvpilot:kv_cache_bytes_per_token": kv_bytes_per_token,
+                         "kvpilot:model_weight_bytes": weight_bytes}
+
+    def record_stats(self, s: EngineStats) -> None:
+        self.running, self.waiting, self.kv_usage = s.num_running, s.num_waiting, s.kv_cache_usage
+        self.max_num_seqs, self.max_model_len_live = s.max_num_seqs, s.max_model_len
+        c = self.counters
+        c["vllm:num_preemptions_total"] = s.num_preemptions_total
+        c["vllm:prefix_cache_queries_total"] = s.prefix_cache_queries_total
+        c["vllm:prefix_cache_hits_total"] = s.prefix_cache_hits_total
+        c["vllm:prompt_tokens_total"] = s.prompt_tokens_total
+        c["vllm:generation_tokens_total"] = s.generation_tokens_total
+
+    def record_first_token(self, ttft: float) -> None:
+        self._ttft.observe(max(ttft, 0.0))
+
+    def record_inter_token(self, latency: float) -> None:
+        if latency == self._gap:
+            self._gap_repeats += 1
+            return
+        self.flush()
+        self._gap, self._gap_repeats = latency, 1
+
+    def flush(self) -> None:
+        """Observe the repeated gaps counted so far (a scrape or a report calls this)."""
+        if self._gap_repeats:
+            self._itl.observe(max(self._gap, 0.0), self._gap_repeats)
+            self.itl_fine.observe(self._gap, self._gap_repeats)
+            self._gap_repeats = 0
+
+    def record_finished(self, req: FinishedRequest) -> None:
+        self.success[req.finish_reason if req.finish_reason in self.success else "stop"] += 1
+        h = self.histograms
+        h["vllm:e2e_request_latency_seconds"].observe(max(req.e2e_latency, 0.0))
+        if req.queue_time is not None:
+            h["vllm:request_queue_time_seconds"].observe(max(req.queue_time, 0.0))
+        h["vllm:request_prompt_tokens"].observe(req.num_prompt_tokens)
+        h["vllm:request_generation_tokens"].observe(req.num_generation_tokens)
+        if req.mean_time_per_output_token is not None:
+            h["vllm:request_time_per_output_token_seconds"].observe(max(req.mean_time_per_output_token, 0.0))
+
+    # --- a scrape -------------------------------------------------------------------------
+    def samples(self) -> list[Sample]:
+        """Every series a scrape of /metrics would return, with its current value."""
+        self.flush()
+        base = {"model_name": self.model_name, "engine": ENGINE_INDEX}
+        own = {"model_name": self.model_name}
+        out = [Sample("vllm:num_requests_running", base, self.running),
+               Sample("vllm:num_requests_waiting", base, self.waiting),
+               Sample("vllm:kv_cache_usage_perc", base, self.kv_usage),
+               Sample("kvpilot:max_num_seqs", own, self.max_num_seqs),
+               Sample("kvpilot:max_model_len", own, self.max_model_len_live)]
+        out += [Sample(name, base, v) for name, v in self.counters.items()]
+        out += [Sample("vllm:request_success_total", {**base, "finished_reason": r}, v)
+                for r, v in self.success.items()]
+        out += [Sample(name, own, float(v)) for name, v in self.capacity.items()]
+        out.append(Sample("kvpilot:request_length_refusals_total", own, self.length_refusals))
+        for name, h in self.histograms.items():
+            out += [Sample(f"{name}_bucket", {**base, "le": le}, float(n)) for le, n in h.cumulative()]
+            out += [Sample(f"{name}_sum", base, h.sum), Sample(f"{name}_count", base, float(h.count))]
+        return out

@@ -1,0 +1,64 @@
+"""The simulator's figures, in `kvpilot bench serve`'s shape (same keys, same printout)
+plus what only a simulator sees cheaply: preemptions, KV usage over time, busy time."""
+
+from __future__ import annotations
+
+import statistics
+
+from ..bench_serve_stats import latency_stats, print_result, throughput_stats
+from .fleet import Fleet, SimRequest
+from .log_histogram import LogHistogram
+
+SIMULATED = "SIMULATED accelerator"
+
+
+def meets(r: SimRequest, slos_ms: dict[str, float]) -> bool:
+    measured = {"ttft": r.ttft, "tpot": r.tpot or 0.0, "e2el": r.e2e}
+    return r.error is None and all(measured[k] is not None and measured[k] * 1000.0 <= ms
+                                   for k, ms in slos_ms.items())
+
+
+def summarize(fleet: Fleet, goodput: dict[str, float] | None = None) -> dict:
+    reqs = fleet.requests
+    ok = [r for r in reqs if r.error is None and r.finished is not None]
+    start = min((r.arrival for r in reqs), default=0.0)
+    end = max((r.finished for r in ok), default=start)
+    duration = end - start
+    replicas = fleet.replicas + fleet.retired
+    out = {"simulated": True, "accelerator": replicas[0].engine.runner.accelerator.name,
+           **throughput_stats(duration, len(ok), len(reqs) - len(ok), sum(r.prompt_len for r in ok),
+                              sum(r.output_tokens for r in ok), {r.error for r in reqs if r.error})}
+    latency_stats("ttft", [r.ttft for r in ok if r.ttft is not None], out)
+    latency_stats("tpot", [t for t in (r.tpot for r in ok) if t is not None], out)
+    latency_stats("e2el", [r.e2e for r in ok], out)
+    latency_stats("queue", [r.queue_time for r in ok if r.queue_time is not None], out)
+    itl = LogHistogram()
+    for rep in replicas:
+        rep.metrics.flush()
+        itl.merge(rep.metrics.itl_fine)
+    out.update(mean_itl_ms=itl.mean * 1000, median_itl_ms=itl.quantile(0.5) * 1000,
+               std_itl_ms=itl.std * 1000, p95_itl_ms=itl.quantile(0.95) * 1000,
+               p99_itl_ms=itl.quantile(0.99) * 1000)
+    out["preemptions"] = sum(r.engine.scheduler.num_preemptions for r in replicas)
+    out["requests_preempted"] = sum(1 for r in ok if r.num_preemptions)
+    out["busy_fraction"] = (sum(r.engine.runner.busy_s for r in replicas) / (duration * len(replicas))
+                            if duration > 0 else 0.0)
+    kv = [s.value for sc in fleet.scrapes for s in sc.samples if s.name == "vllm:kv_cache_usage_perc"]
+    out["kv_usage_mean"] = statistics.fmean(kv) if kv else None
+    out["kv_usage_max"] = max(kv) if kv else None
+    out["replicas"] = len(replicas)
+    if goodput:
+        good = sum(1 for r in ok if meets(r, goodput))
+        out["request_goodput"] = good / duration if duration > 0 else 0.0
+        out["goodput_slos_ms"] = dict(goodput)
+    return out
+
+
+def print_sim_result(r: dict) -> None:
+    print(f"{SIMULATED}: {r['accelerator']} x{r['replicas']} (figures are modelled, not measured on hardware)")
+    print_result(r)
+    print(f"{'Preemptions:':<40} {r['preemptions']:<10} ({r['requests_preempted']} requests)")
+    if r.get("kv_usage_mean") is not None:
+        print(f"{'KV cache usage mean / max:':<40} {r['kv_usage_mean']:.1%} / {r['kv_usage_max']:.1%}")
+    print(f"{'Accelerator busy:':<40} {r['busy_fraction']:.1%}")
+    print(f"{'Median / P99 queue time (ms):':<40} {r['median_queue_ms']:.2f} / {r['p99_queue_ms']:.2f}")
