@@ -59,7 +59,9 @@ def _set(prev: list[Condition], type_: str, ok: bool, reason: str, message: str,
 
 
 def compute_conditions(prev: list[Condition], rollout: Rollout, problems: list[Problem],
-                       generation: int | None, now: str | None = None) -> list[Condition]:
+                       generation: int | None, now: str | None = None,
+                       ready_note: str | None = None) -> list[Condition]:
+    """ready_note (e.g. "simulated h100-80gb") is appended to the Ready message."""
     now = now or now_iso()
     r = rollout
     if problems:
@@ -83,6 +85,8 @@ def compute_conditions(prev: list[Condition], rollout: Rollout, problems: list[P
         ready = (False, "PartiallyReady", f"{r.ready}/{r.desired} replicas ready")
     else:
         ready = (False, degraded[1] if degraded[0] else "Pending", f"{r.ready}/{r.desired} replicas ready")
+    if ready_note:
+        ready = (*ready[:2], f"{ready[2]} ({ready_note})")
     return [_set(prev, "Ready", *ready, generation, now),
             _set(prev, "Progressing", *progressing, generation, now),
             _set(prev, "Degraded", *degraded, generation, now)]
@@ -105,11 +109,11 @@ def merge_extra_conditions(prev: list[Condition], extra: list[Condition] | None,
 
 def status_from(prev: LLMDeploymentStatus, rollout: Rollout, problems: list[Problem],
                 generation: int | None, extra_conditions: list[Condition] | None = None,
-                **fields) -> LLMDeploymentStatus:
+                ready_note: str | None = None, **fields) -> LLMDeploymentStatus:
     """The next status: conditions, replica counts, and the given fields."""
     new = prev.model_copy(update=fields)
     new.observed_generation = generation
-    new.conditions = (compute_conditions(prev.conditions, rollout, problems, generation)
+    new.conditions = (compute_conditions(prev.conditions, rollout, problems, generation, ready_note=ready_note)
                       + merge_extra_conditions(prev.conditions, extra_conditions, generation))
     new.replicas, new.ready_replicas, new.updated_replicas = rollout.replicas, rollout.ready, rollout.updated
     return new

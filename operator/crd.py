@@ -110,6 +110,7 @@ PRINTER_COLUMNS = [
     {"name": "MaxModelLen", "type": "integer", "jsonPath": ".status.effective.maxModelLen"},
     {"name": "KV%", "type": "integer", "jsonPath": ".status.kvCacheUsagePercent"},
     {"name": "Mode", "type": "string", "jsonPath": ".spec.autotune.mode"},
+    {"name": "Simulated", "type": "string", "jsonPath": ".status.simulated"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -9,6 +9,7 @@ import json
 
 from .objects import (HTTP_PORT, TUNING_DIR, TUNING_FILE, Owner, metadata, selector_labels,
                       tuning_configmap_name)
+from .simulate import SIMULATED_LABEL, sim_model_projection, simulate_args
 from .spec import LLMDeploymentSpec
 
 CONTAINER = "engine"
@@ -36,24 +37,28 @@ def model_source(source: str) -> tuple[str, dict | None, dict | None]:
 
 def pvc_claim(spec: LLMDeploymentSpec) -> str | None:
     src = spec.model.source
-    return src[len("pvc://"):].partition("/")[0] if src.startswith("pvc://") else None
+    return src[len("pvc://"):].partition("/")[0] if src and src.startswith("pvc://") else None
 
 
-def engine_args(owner: Owner, spec: LLMDeploymentSpec, model_arg: str) -> list[str]:
+def engine_args(owner: Owner, spec: LLMDeploymentSpec, model_arg: str | None) -> list[str]:
+    """`kvpilot serve` flags; model_arg is None for a simulated spec without model.source."""
     e = spec.engine
-    args = ["--model", model_arg, "--served-model-name", spec.model.served_name or owner.name,
-            "--host", "$(POD_IP)", "--port", str(HTTP_PORT),
-            "--tuning-file", f"{TUNING_DIR}/{TUNING_FILE}",
-            # Start-up floor only: the tuning file (read before serving) sets the live
-            # values, so they stay out of the pod template and never roll pods.
-            "--max-model-len", str(spec.autotune.max_model_len.min),
-            "--dtype", e.dtype, "--max-num-batched-tokens", str(e.max_num_batched_tokens),
-            "--block-size", str(e.block_size),
-            "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching"]
+    args = ["--model", model_arg] if model_arg is not None else []
+    args += ["--served-model-name", spec.model.served_name or owner.name,
+             "--host", "$(POD_IP)", "--port", str(HTTP_PORT),
+             "--tuning-file", f"{TUNING_DIR}/{TUNING_FILE}",
+             # Start-up floor only: the tuning file (read before serving) sets the live
+             # values, so they stay out of the pod template and never roll pods.
+             "--max-model-len", str(spec.autotune.max_model_len.min),
+             "--dtype", e.dtype, "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+             "--block-size", str(e.block_size),
+             "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching"]
     if e.kv_cache_memory is not None:
         args += ["--kv-cache-memory", str(e.kv_cache_memory)]
     elif e.gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
+    if e.simulate is not None:
+        args += simulate_args(e.simulate)
     if e.api_key_secret_ref is not None:
         args += ["--api-key", "$(KVPILOT_API_KEY)"]
     return args + list(e.extra_args)
@@ -89,8 +94,21 @@ def container_security_context() -> dict:
             "capabilities": {"drop": ["ALL"]}, "seccompProfile": SECCOMP}
 
 
+def tuning_volume(owner: Owner, spec: LLMDeploymentSpec) -> dict:
+    """The tuning file's ConfigMap at TUNING_DIR; with a simulated model's config.json from a
+    ConfigMap, one projected volume holding both (see simulate.sim_model_projection)."""
+    tuning = {"name": tuning_configmap_name(owner)}
+    sim = spec.engine.simulate
+    extra = sim_model_projection(sim) if sim is not None else None
+    if extra is None:
+        return {"name": "tuning", "configMap": tuning}
+    return {"name": "tuning", "projected": {"sources": [{"configMap": tuning}, extra]}}
+
+
 def build_pod_template(owner: Owner, spec: LLMDeploymentSpec) -> dict:
-    model_arg, model_volume, model_mount = model_source(spec.model.source)
+    model_arg, model_volume, model_mount = (model_source(spec.model.source) if spec.model.source
+                                            else (None, None, None))
+    simulated = spec.engine.simulate is not None
     env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            {"name": "HOME", "value": SCRATCH_DIR}, {"name": "TMPDIR", "value": SCRATCH_DIR},
            {"name": "KVPILOT_CACHE_DIR", "value": CACHE_DIR}]
@@ -101,13 +119,13 @@ def build_pod_template(owner: Owner, spec: LLMDeploymentSpec) -> dict:
     mounts = [{"name": "tuning", "mountPath": TUNING_DIR, "readOnly": True},
               {"name": "tmp", "mountPath": SCRATCH_DIR},
               {"name": "cache", "mountPath": CACHE_DIR}]
-    volumes = [{"name": "tuning", "configMap": {"name": tuning_configmap_name(owner)}},
+    volumes = [tuning_volume(owner, spec),
                {"name": "tmp", "emptyDir": {}},
                {"name": "cache", "emptyDir": {}}]
     if model_volume is not None:
         mounts.append(model_mount)
         volumes.append(model_volume)
-    if spec.resources.gpus > 0:  # NCCL and torch use shared memory
+    if spec.resources.gpus > 0 and not simulated:  # NCCL and torch use shared memory; the simulator neither
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
     container = {
@@ -139,7 +157,10 @@ def build_pod_template(owner: Owner, spec: LLMDeploymentSpec) -> dict:
         pod_spec["priorityClassName"] = sched.priority_class_name
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
                    "prometheus.io/path": "/metrics"}
-    template = {"metadata": {"labels": metadata(owner, owner.name)["labels"], "annotations": annotations},
+    pod_labels = metadata(owner, owner.name)["labels"]
+    if simulated:
+        pod_labels[SIMULATED_LABEL] = "true"
+    template = {"metadata": {"labels": pod_labels, "annotations": annotations},
                 "spec": pod_spec}
     annotations[HASH_ANNOTATION] = config_hash(template)
     return template

@@ -15,6 +15,7 @@ from .conditions import Problem, Rollout, status_from
 from .deployment import build_deployment, pvc_claim
 from .objects import (Owner, build_configmap, build_pdb, build_service, effective_settings, endpoint_url,
                       selector_string)
+from .simulate import simulated_summary
 from .spec import GROUP, KIND, VERSION, InvalidSpec, LLMDeploymentSpec, validate_spec
 from .status import AutotuneStatus, Condition, Effective, LLMDeploymentStatus
 
@@ -81,7 +82,8 @@ def parse_spec(body) -> LLMDeploymentSpec:
 
 
 def find_problems(kube: Kube, namespace: str, spec: LLMDeploymentSpec) -> list[Problem]:
-    """Prerequisites the API server cannot check: the model's PVC, the API key's Secret."""
+    """Prerequisites the API server cannot check: the model's PVC, the API key's Secret,
+    a simulated model's ConfigMap."""
     problems = []
     claim = pvc_claim(spec)
     if claim and kube.get("v1", "PersistentVolumeClaim", namespace, claim) is None:
@@ -95,6 +97,16 @@ def find_problems(kube: Kube, namespace: str, spec: LLMDeploymentSpec) -> list[P
         elif ref.key not in (secret.get("data") or {}) and ref.key not in (secret.get("stringData") or {}):
             problems.append(Problem("SecretKeyNotFound",
                                     f"Secret {ref.name} has no key {ref.key} (spec.engine.apiKeySecretRef.key)"))
+    sim = spec.engine.simulate
+    cm_ref = sim.model_config_map if sim is not None else None
+    if cm_ref is not None:
+        cm = kube.get("v1", "ConfigMap", namespace, cm_ref.name)
+        if cm is None:
+            problems.append(Problem("ConfigMapNotFound", f"ConfigMap {cm_ref.name} "
+                                    "(spec.engine.simulate.modelConfigMap) does not exist"))
+        elif cm_ref.key not in (cm.get("data") or {}) and cm_ref.key not in (cm.get("binaryData") or {}):
+            problems.append(Problem("ConfigMapKeyNotFound", f"ConfigMap {cm_ref.name} has no key {cm_ref.key} "
+                                    "(spec.engine.simulate.modelConfigMap.key)"))
     return problems
 
 
@@ -144,10 +156,13 @@ def reconcile(kube: Kube, body, hook: AutotuneHook | None = None) -> Result:
         kube.delete("policy/v1", "PodDisruptionBudget", owner.namespace, owner.name)
     snapshot = report.snapshot if report is not None else None
     kv = None if snapshot is None or snapshot.kv_usage_mean is None else round(100 * snapshot.kv_usage_mean)
+    sim = spec.engine.simulate
+    # simulated=None clears a previous value: the status apply then leaves the field out.
     status = status_from(prev, Rollout.from_deployment(deployment, effective.replicas), problems, generation,
                          effective=effective, autotune=report, endpoint=endpoint_url(owner, spec),
                          selector=selector_string(owner), kv_cache_usage_percent=kv,
-                         extra_conditions=autotune_conditions)
+                         simulated=simulated_summary(spec), extra_conditions=autotune_conditions,
+                         ready_note=f"simulated {sim.accelerator}" if sim is not None else None)
     write_status(kube, owner, status)
     return Result(status, problems)
 

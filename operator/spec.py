@@ -24,6 +24,16 @@ QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkM
 DURATION_PATTERN = r"^([0-9]+(ms|s|m|h))+$"
 MODEL_SOURCE_PATTERN = r"^(builtin:[a-z0-9-]+|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|file:///.+|/.+)$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+CONFIGMAP_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+# A positive number (no zero: the engine rejects it), then the distributions `kvpilot serve
+# --simulate-output-len` takes; uniform's LO <= HI is checked in validate_spec.
+_POSITIVE = r"([0-9]*[1-9][0-9]*(\.[0-9]+)?|[0-9]*\.[0-9]*[1-9][0-9]*)"
+OUTPUT_LEN_PATTERN = (rf"^(fixed:{_POSITIVE}|exponential:{_POSITIVE}"
+                      rf"|uniform:{_POSITIVE}:{_POSITIVE}|lognormal:{_POSITIVE}:{_POSITIVE})$")
+
+# The engine's presets (engine/sim/hardware.py and shapes.py; a test keeps them equal).
+SimulatedAccelerator = Literal["h200", "h100-80gb", "a100-80gb", "l40s", "l4", "a10g"]
+SimulatedModel = Literal["llama-3.1-8b", "llama-3.1-70b", "qwen2.5-7b", "mistral-7b"]
 
 Quantity = Union[int, str]  # rendered as int-or-string with the Kubernetes quantity pattern
 
@@ -45,10 +55,11 @@ class Model(BaseModel):
 
 
 class ModelSource(Model):
-    source: str = Field(
-        pattern=MODEL_SOURCE_PATTERN, max_length=1024,
+    source: Optional[str] = Field(
+        default=None, pattern=MODEL_SOURCE_PATTERN, max_length=1024,
         description="builtin:tiny, pvc://CLAIM/PATH (mounted read-only at /models), "
-                    "file:///PATH or /PATH (a path inside the image).")
+                    "file:///PATH or /PATH (a path inside the image). Required unless "
+                    "engine.simulate is set.")
     served_name: Optional[str] = Field(
         default=None, max_length=253,
         description="The model name clients send; defaults to the LLMDeployment's name.")
@@ -57,6 +68,37 @@ class ModelSource(Model):
 class SecretKeyRef(Model):
     name: str = Field(pattern=DNS_LABEL_PATTERN, max_length=253)
     key: str = Field(min_length=1, max_length=253)
+
+
+class ConfigMapKeyRef(Model):
+    name: str = Field(pattern=DNS_LABEL_PATTERN, max_length=253)
+    key: str = Field(default="config.json", pattern=CONFIGMAP_KEY_PATTERN, max_length=253)
+
+
+SIMULATE_NEEDS_MODEL = ("engine.simulate needs model (a preset such as llama-3.1-8b) or modelConfigMap "
+                        "(a config.json); the shape is not read from model.source")
+
+
+class SimulateSpec(Model):
+    """A simulated accelerator: the real server, scheduler, KV cache manager and metrics,
+    with the forward pass replaced by a timing model (no GPU, no weights)."""
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        rule("!(has(self.model) && has(self.modelConfigMap))",
+             "engine.simulate.model and engine.simulate.modelConfigMap are mutually exclusive",
+             ".modelConfigMap"),
+        rule("has(self.model) || has(self.modelConfigMap)", SIMULATE_NEEDS_MODEL),
+    ]})
+    accelerator: SimulatedAccelerator = Field(description="The accelerator to model.")
+    model: Optional[SimulatedModel] = Field(
+        default=None, description="The model shape to model, a preset; or give modelConfigMap.")
+    model_config_map: Optional[ConfigMapKeyRef] = Field(
+        default=None, description="A ConfigMap holding a Hugging Face config.json under key "
+                                  "(mounted read-only); or give model.")
+    output_len: Optional[str] = Field(
+        default=None, pattern=OUTPUT_LEN_PATTERN, max_length=64,
+        description="Where EOS comes for requests that do not ignore it: fixed:N, uniform:LO:HI, "
+                    "exponential:MEAN or lognormal:MEDIAN:SIGMA (the engine's default: "
+                    "lognormal:256:1.0).")
 
 
 class EngineSpec(Model):
@@ -81,6 +123,9 @@ class EngineSpec(Model):
         default=None, description="Secret key holding the API key clients must send.")
     extra_args: list[str] = Field(default_factory=list, max_length=64,
                                   description="More `kvpilot serve` flags (non-live).")
+    simulate: Optional[SimulateSpec] = Field(
+        default=None, description="Run on a simulated accelerator instead of a GPU (pods still "
+                                  "request resources.gpus, so they schedule like GPU pods).")
 
 
 class Resources(Model):
@@ -169,6 +214,8 @@ class LLMDeploymentSpec(Model):
              "engine.maxNumBatchedTokens must be >= engine.maxNumSeqs", ".engine.maxNumBatchedTokens"),
         rule("self.resources.gpus > 0 || !has(self.engine.gpuMemoryUtilization)",
              "engine.gpuMemoryUtilization needs resources.gpus > 0", ".engine.gpuMemoryUtilization"),
+        rule("has(self.model.source) || has(self.engine.simulate)",
+             "model.source is required unless engine.simulate is set", ".model.source"),
     ]})
     model: ModelSource
     engine: EngineSpec = Field(default_factory=EngineSpec)
@@ -203,3 +250,19 @@ def validate_spec(spec: LLMDeploymentSpec) -> None:
         raise InvalidSpec("engine.maxNumBatchedTokens must be >= engine.maxNumSeqs")
     if e.gpu_memory_utilization is not None and spec.resources.gpus == 0:
         raise InvalidSpec("engine.gpuMemoryUtilization needs resources.gpus > 0")
+    if spec.model.source is None and e.simulate is None:
+        raise InvalidSpec("model.source is required unless engine.simulate is set")
+    if e.simulate is not None:
+        validate_simulate(e.simulate)
+
+
+def validate_simulate(sim: SimulateSpec) -> None:
+    if sim.model is not None and sim.model_config_map is not None:
+        raise InvalidSpec("engine.simulate.model and engine.simulate.modelConfigMap are mutually exclusive")
+    if sim.model is None and sim.model_config_map is None:
+        raise InvalidSpec(SIMULATE_NEEDS_MODEL)
+    kind, _, args = (sim.output_len or "").partition(":")
+    if kind == "uniform":  # the pattern cannot compare numbers
+        lo, hi = (float(v) for v in args.split(":"))
+        if lo > hi:
+            raise InvalidSpec(f"engine.simulate.outputLen: uniform:LO:HI needs LO <= HI, got {sim.output_len}")

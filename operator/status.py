@@ -111,6 +111,10 @@ class LLMDeploymentStatus(Model):
     endpoint: Optional[str] = None
     effective: Optional[Effective] = None
     kv_cache_usage_percent: Optional[int] = Field(default=None, ge=0, le=100)
+    simulated: Optional[str] = Field(
+        default=None, max_length=512,
+        description="ACCELERATOR/MODEL (or ACCELERATOR/configmap:NAME) when the pods run on a "
+                    "simulated accelerator (spec.engine.simulate); absent otherwise.")
     autotune: Optional[AutotuneStatus] = None
 
     def condition(self, type_: str) -> Optional[Condition]:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from kvpilot.operator.crd import build_crd, crd_yaml
@@ -52,7 +53,8 @@ def test_names_subresources_and_columns():
                                           "labelSelectorPath": ".status.selector"}
     assert v["subresources"]["status"] == {}
     assert [c["name"] for c in v["additionalPrinterColumns"]] == [
-        "Ready", "Replicas", "MaxNumSeqs", "MaxModelLen", "KV%", "Mode", "Age"]
+        "Ready", "Replicas", "MaxNumSeqs", "MaxModelLen", "KV%", "Mode", "Simulated", "Age"]
+    assert v["additionalPrinterColumns"][-2]["jsonPath"] == ".status.simulated"
 
 
 def test_schema_is_structural():
@@ -95,8 +97,9 @@ def test_the_example_fields_exist_with_defaults_and_validation():
     assert conds["x-kubernetes-list-type"] == "map" and conds["x-kubernetes-list-map-keys"] == ["type"]
 
 
-def test_example_is_valid_against_field_names():
-    doc = yaml.safe_load((ROOT / "examples" / "llmdeployment-tiny.yaml").read_text())
+@pytest.mark.parametrize("example", ["llmdeployment-tiny.yaml", "llmdeployment-simulated.yaml"])
+def test_example_is_valid_against_field_names(example):
+    doc = yaml.safe_load((ROOT / "examples" / example).read_text())
     props = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     assert set(doc["spec"]) <= set(props)
     for k, v in doc["spec"].items():
