@@ -114,11 +114,12 @@ def install_operator(cluster: LocalCluster, resync_s: int = 5) -> None:
 
 # --- the LLMDeployment ---------------------------------------------------------------
 def llmd_manifest(ns: str, name: str, engine: dict, autotune: dict, replicas: int = 1,
-                  autoscaling: dict | None = None, cpu: str = "1") -> dict:
+                  autoscaling: dict | None = None, cpu: str = "1", resources: dict | None = None,
+                  model: dict | None = None) -> dict:
     return {"apiVersion": "serving.kvpilot.dev/v1alpha1", "kind": "LLMDeployment",
             "metadata": {"name": name, "namespace": ns},
-            "spec": {"model": {"source": "builtin:tiny", "servedName": name}, "engine": engine,
-                     "resources": {"gpus": 0, "cpu": cpu, "memory": "1Gi"}, "replicas": replicas,
+            "spec": {"model": model or {"source": "builtin:tiny", "servedName": name}, "engine": engine,
+                     "resources": resources or {"gpus": 0, "cpu": cpu, "memory": "1Gi"}, "replicas": replicas,
                      "autoscaling": autoscaling or {"minReplicas": 1, "maxReplicas": 1},
                      "autotune": autotune}}
 
@@ -202,6 +203,7 @@ class Workload:
     max_concurrency: int = 64
     seed: int = 0
     vocab: int = 4096
+    stream: bool = True  # False: one response per request (no per-token HTTP work for the client)
 
     def requests(self) -> list[tuple[list[int], int]]:
         rng = random.Random(self.seed)
@@ -230,10 +232,22 @@ class RequestOutcome:
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int,
-               t0: float) -> RequestOutcome:
+               t0: float, stream: bool = True) -> RequestOutcome:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True}
     sent_at = time.monotonic() - t0
+    if not stream:
+        start = time.perf_counter()
+        try:
+            resp = await client.post(f"{url}/v1/completions", json=body)
+        except httpx.HTTPError as e:
+            return RequestOutcome(sent_at=sent_at, error=f"{type(e).__name__}: {e}")
+        latency = time.perf_counter() - start
+        if resp.status_code != 200:
+            return RequestOutcome(sent_at=sent_at, latency=latency, error=f"HTTP {resp.status_code}: {resp.text[:200]}")
+        return RequestOutcome(sent_at=sent_at, latency=latency,
+                              output_tokens=resp.json()["usage"]["completion_tokens"])
+    body.update(stream=True, stream_options={"include_usage": True})
     r = await stream_completion(client, f"{url}/v1/completions", body)
     return RequestOutcome(sent_at=sent_at, ttft=r.ttft, tpot=r.tpot, latency=r.latency,
                           output_tokens=r.output_tokens or 0, error=r.error)
@@ -289,7 +303,7 @@ class LoadDriver:
         async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600, connect=10)) as client:
             async def one(i: int, url: str):
                 try:
-                    r = await _one(client, url, self.model, *reqs[i % len(reqs)], self.started)
+                    r = await _one(client, url, self.model, *reqs[i % len(reqs)], self.started, w.stream)
                 finally:
                     sem.release()
                 self.results.append(r)
@@ -392,6 +406,8 @@ class Monitor:
                    preempt_per_s=_num(snap and snap.preemptions_per_s),
                    queue_p95_s=_num(snap and snap.queue_time_p95_s),
                    tpot_p95_ms=None if snap is None or snap.tpot_p95_s is None else 1000 * snap.tpot_p95_s,
+                   ttft_p95_s=_num(snap and snap.ttft_p95_s),
+                   tokens_per_s=_num(snap and snap.generation_tokens_per_s),
                    max_num_seqs=eff.get("maxNumSeqs"), max_model_len=eff.get("maxModelLen"),
                    replicas=eff.get("replicas", status.get("replicas")), diagnosis=at.get("diagnosis"))
         self.samples.append(s)

@@ -25,6 +25,8 @@ class Sample:
     max_model_len: int | None = None
     replicas: int | None = None
     diagnosis: str | None = None
+    ttft_p95_s: float | None = None
+    tokens_per_s: float | None = None  # output tokens/s, all pods
 
 
 @dataclass
@@ -180,22 +182,28 @@ def format_table(rows: Sequence[tuple[str, dict]], slo: Slo, auto_key: str | Non
 
 
 # --- timeline PNG -----------------------------------------------------------------
+PANELS = [("kv_pct", "KV cache %"), ("preempt_per_s", "preemptions/s"), ("queue_p95_s", "queue p95 (s)"),
+          ("tpot_p95_ms", "TPOT p95 (ms)"), ("max_num_seqs", "max_num_seqs"), ("replicas", "replicas")]
+LABELS = {"ttft_p95_s": "TTFT p95 (s)", "tokens_per_s": "output tokens/s", **dict(PANELS)}
+
+
 def write_timeline_png(samples: Sequence[Sample], changes: Sequence[Change], path: str | Path,
                        title: str = "kvpilot autotuner timeline",
                        phases: Sequence[tuple[float, str]] = (),
-                       objectives: dict[str, float] | None = None) -> Path:
-    """Stacked panels over time (KV %, preemptions/s, queue p95, TPOT p95, max_num_seqs,
-    replicas); every applied change is a dashed vertical line labelled on the top panel;
-    `phases` (t, name) are grey lines marking parts of a longer run; `objectives`
-    (panel key -> value) draws an objective as a green horizontal line."""
+                       objectives: dict[str, float] | None = None,
+                       panels: Sequence[str] | None = None) -> Path:
+    """Stacked panels over time (by default KV %, preemptions/s, queue p95, TPOT p95,
+    max_num_seqs, replicas; `panels` picks Sample fields); every applied change is a
+    dashed vertical line labelled on the top panel; `phases` (t, name) are grey lines
+    marking parts of a longer run; `objectives` (panel key -> value) draws an objective
+    as a green horizontal line."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    panels = [("kv_pct", "KV cache %"), ("preempt_per_s", "preemptions/s"), ("queue_p95_s", "queue p95 (s)"),
-              ("tpot_p95_ms", "TPOT p95 (ms)"), ("max_num_seqs", "max_num_seqs"), ("replicas", "replicas")]
+    panels = [(key, LABELS[key]) for key in panels] if panels else PANELS
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 10.5), sharex=True)
     ts = [s.t for s in samples]
     for ax, (key, label) in zip(axes, panels):

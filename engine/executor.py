@@ -38,6 +38,9 @@ class Executor(Protocol):
 
     def allocate_kv_cache(self, num_blocks: int) -> None: ...
 
+    def counters(self) -> dict[str, float]:
+        """Cumulative figures of the executor's own, exported as kvpilot: metrics."""
+
     def make_generator(self, seed: int) -> Any:
         """A per-request random generator for a seeded request (None if not needed)."""
 

@@ -75,6 +75,7 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self.latency_sink: LatencySink | None = None  # TTFT, gaps and finishes, as they happen
+        self._left_work = False  # the last step ended with requests still unfinished
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -204,10 +205,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
+            self._left_work = False
             return []
+        scheduled.follows_previous = self._left_work
         result = self.runner.run(scheduled)
         progressed = self.scheduler.update(scheduled, result.requests, result.token_ids)
-        return self._emit(progressed, result.logprobs)
+        outputs = self._emit(progressed, result.logprobs)
+        self._left_work = self.has_unfinished_requests()
+        return outputs
 
     def _emit(self, progressed: list[Request], logprobs) -> list[RequestOutput]:
         now = self.clock.now()
@@ -236,6 +241,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         prefix = self.kv_cache.prefix_stats
         return EngineStats(
+            executor_counters=self.runner.counters(),
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.kv_cache.usage,

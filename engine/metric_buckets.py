@@ -14,9 +14,11 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 TOKEN_LATENCY_BUCKETS = (0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.045, 0.05, 0.06,
                          0.075, 0.09, 0.1, 0.125, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                          1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-# vLLM's, plus 3.5 and 7.5 s between its 2.5/5/10 s (the queue time the autotuner reads).
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 3.5, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0,
-                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# vLLM's, plus 3.5 and 7.5 s between its 2.5/5/10 s, and 20/50/100/200 ms below its first
+# (0.3 s): the autotuner's queue-time p95 must be able to read under its 0.2 s exit level,
+# or a queue that has emptied would still read as 0.95 x 0.3 s by interpolation.
+REQUEST_LATENCY_BUCKETS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 3.5, 5.0, 7.5, 10.0,
+                           15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 def buckets_1_2_5(max_value: int) -> list[int]:
@@ -28,3 +30,11 @@ def buckets_1_2_5(max_value: int) -> list[int]:
                 return out
             out.append(m * scale)
         scale *= 10
+
+# A simulated executor's cumulative counters (kvpilot:<key>_total).
+SIMULATED_COUNTERS = {
+    "simulated_steps": "Engine steps run on the simulated accelerator.",
+    "simulated_busy_seconds": "Modelled accelerator time spent in steps.",
+    "simulated_overrun_seconds": "Host time past the modelled end of steps (the host is too slow "
+                                 "for the simulated load when this grows).",
+}

@@ -43,6 +43,9 @@ class ModelRunner:
     def describe(self) -> str:
         return f"attention backend {self.backend}; {self.dtype} on {self.device}"
 
+    def counters(self) -> dict[str, float]:
+        return {}
+
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -71,3 +71,4 @@ class EngineStats:
     generation_tokens_total: int
     max_num_seqs: int
     max_model_len: int
+    executor_counters: dict[str, float] = field(default_factory=dict)  # e.g. simulated step time

@@ -33,6 +33,9 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     started_at: float = 0.0  # when schedule() began: the step's start on the engine's clock
+    # The previous step left work, so this one follows it without an idle spell (on real
+    # hardware the host work in between overlaps the accelerator's).
+    follows_previous: bool = False
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 

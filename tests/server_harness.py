@@ -97,7 +97,22 @@ SHARED_MODEL = "tiny"
 SHARED_API_KEY = "test-key-123"
 SHARED_MAX_NUM_SEQS = 8
 SHARED_MAX_MODEL_LEN = 2048
-_shared: list[ServerProcess] = []
+_shared: dict[str, ServerProcess] = {}
+
+# A slow simulated accelerator for the server tests: every step takes ~20 ms whatever
+# the batch (the tiny model's compute is nothing next to the fixed overhead), so a
+# 400-token request runs for seconds, as on the CPU, and cancellation tests have time.
+TEST_ACCELERATOR = {"name": "test-gpu", "memory_bytes": 8 * 2**30, "bandwidth": 1e12, "flops": 1e14,
+                    "step_overhead_s": 0.02, "per_seq_overhead_s": 0.0, "reserved_bytes": 0,
+                    "source": "kvpilot's server tests"}
+
+
+def simulated_args(tmp: Path) -> list[str]:
+    """`kvpilot serve` flags for builtin:tiny's shape (float32: 4 KiB of KV per token, its
+    tokenizer) on the slow test accelerator."""
+    acc = tmp / "test-gpu.json"
+    acc.write_text(json.dumps(TEST_ACCELERATOR))
+    return ["--simulate", str(acc), "--simulate-model", "builtin:tiny", "--dtype", "float32"]
 
 
 def write_tuning(path: Path, **values) -> None:
@@ -106,17 +121,19 @@ def write_tuning(path: Path, **values) -> None:
     tmp.replace(path)  # atomic, like a ConfigMap's symlink swap
 
 
-def shared_server() -> ServerProcess:
+def shared_server(kind: str = "real") -> ServerProcess:
     """builtin:tiny served as `tiny` with an API key and a tuning file holding
-    max_num_seqs=8, max_model_len=2048; started once per test session (stopped at exit).
-    Tests that change its settings put them back."""
-    if _shared and _shared[0].proc.poll() is None:
-        return _shared[0]
-    tmp = Path(tempfile.mkdtemp(prefix="kvpilot-serve-"))
+    max_num_seqs=8, max_model_len=2048; started once per test session and kind (stopped at
+    exit). kind "simulated": the same shape on the simulated test accelerator. Tests that
+    change its settings put them back."""
+    if kind in _shared and _shared[kind].proc.poll() is None:
+        return _shared[kind]
+    tmp = Path(tempfile.mkdtemp(prefix=f"kvpilot-serve-{kind}-"))
     tuning = tmp / "tuning.json"
     write_tuning(tuning, max_num_seqs=SHARED_MAX_NUM_SEQS, max_model_len=SHARED_MAX_MODEL_LEN)
+    model = simulated_args(tmp) if kind == "simulated" else ["--model", "builtin:tiny"]
     proc = ServerProcess([
-        "--model", "builtin:tiny", "--served-model-name", SHARED_MODEL, "--max-num-seqs", "32",
+        *model, "--served-model-name", SHARED_MODEL, "--max-num-seqs", "32",
         "--max-model-len", "4096", "--kv-cache-memory", "64Mi", "--api-key", SHARED_API_KEY,
         "--tuning-file", str(tuning),
     ], tmp / "server.log")
@@ -126,6 +143,6 @@ def shared_server() -> ServerProcess:
     except BaseException:
         proc.stop(signal.SIGKILL)
         raise
-    _shared[:] = [proc]
+    _shared[kind] = proc
     atexit.register(proc.stop)
     return proc

@@ -29,6 +29,11 @@ def snap(t=T0, **kw) -> Snapshot:
 PREEMPTING = dict(preemptions_per_s=0.5, kv_usage_mean=0.97, kv_usage_max=1.0, num_waiting=10.0, queue_time_p95_s=3.0,
                   num_running=60.0)
 SCHED = dict(queue_time_p95_s=2.0, num_waiting=8.0, kv_usage_mean=0.15, kv_usage_max=0.20)
+
+
+def sched(cur: Settings, t=T0, **kw) -> Snapshot:
+    """Queueing with a cool cache while the pods run as many sequences as the cap allows."""
+    return snap(t=t, **{**SCHED, "num_running": float(cur.max_num_seqs), **kw})
 KVFULL = dict(queue_time_p95_s=2.0, num_waiting=8.0, kv_usage_mean=0.95, kv_usage_max=0.99, request_len_p99=300.0)
 IDLE = dict(request_rate_per_s=0.0, num_running=0.0, num_waiting=0.0, queue_time_p95_s=None,
             ttft_p95_s=None, kv_usage_mean=0.0, kv_usage_max=0.0)
@@ -110,7 +115,7 @@ def test_preemption_at_the_minimum_is_hardware_bound_and_scales_out_when_sustain
 
 def test_queueing_with_a_cool_cache_raises_max_num_seqs():
     cur = replace(CUR, max_num_seqs=16)
-    d = run(snap(**SCHED), cur=cur)
+    d = run(sched(cur), cur=cur)
     assert d.diagnosis is Diagnosis.SCHEDULER_BOUND
     assert d.change == {"max_num_seqs": (16, 24)}
     # judged by the number waiting: a raise flushes the backlog, whose long queue times
@@ -123,22 +128,30 @@ def test_raise_is_capped_by_the_projected_kv_peak():
     # kv peak 0.6 only counts as "low" when already SchedulerBound (exit level 0.65);
     # 16 x 0.85 / 0.6 = 22.7 -> 22, below the x1.5 step of 24.
     cur = replace(CUR, max_num_seqs=16)
-    d = run(snap(**dict(SCHED, kv_usage_max=0.6)), cur=cur, history=past(Diagnosis.SCHEDULER_BOUND))
+    d = run(sched(cur, kv_usage_max=0.6), cur=cur, history=past(Diagnosis.SCHEDULER_BOUND))
     assert d.change == {"max_num_seqs": (16, 22)}
 
 
+def test_queueing_below_the_cap_is_not_the_caps_fault():
+    # 8 wait while 20 of the 64 allowed run (a burst waiting for the token budget):
+    # raising max_num_seqs would change nothing.
+    d = run(snap(**dict(SCHED, num_running=20.0)))
+    assert d.diagnosis is Diagnosis.HARDWARE_BOUND and "max_num_seqs" not in d.change
+
+
 def test_raise_never_exceeds_the_bound_or_max_num_batched_tokens():
-    assert run(snap(**SCHED), cur=replace(CUR, max_num_seqs=200)).change == {"max_num_seqs": (200, 256)}
+    cur = replace(CUR, max_num_seqs=200)
+    assert run(sched(cur), cur=cur).change == {"max_num_seqs": (200, 256)}
     cur = replace(CUR, max_num_seqs=100, max_num_batched_tokens=128)
-    assert run(snap(**SCHED), cur=cur).change == {"max_num_seqs": (100, 128)}
+    assert run(sched(cur), cur=cur).change == {"max_num_seqs": (100, 128)}
 
 
 def test_scheduler_bound_at_the_ceiling_adds_a_replica_when_sustained():
     cur = replace(CUR, max_num_seqs=256)
-    first = run(snap(**SCHED), cur=cur)
+    first = run(sched(cur), cur=cur)
     assert first.diagnosis is Diagnosis.SCHEDULER_BOUND and first.action is Action.HOLD
     assert "at its limit 256" in first.reason
-    d = run(snap(**SCHED), cur=cur, history=past(Diagnosis.SCHEDULER_BOUND))
+    d = run(sched(cur), cur=cur, history=past(Diagnosis.SCHEDULER_BOUND))
     assert d.change == {"replicas": (1, 2)}
 
 
@@ -282,10 +295,10 @@ def test_preemption_hysteresis_enter_and_exit_levels():
 
 def test_queue_hysteresis_enter_and_exit_levels():
     cur = replace(CUR, max_num_seqs=16)
-    mild = snap(**dict(SCHED, queue_time_p95_s=0.3, num_waiting=1.0))  # between exit and enter levels
+    mild = sched(cur, queue_time_p95_s=0.3, num_waiting=1.0)  # between exit and enter levels
     assert run(mild, cur=cur).diagnosis is Diagnosis.HEALTHY
     assert run(mild, cur=cur, history=past(Diagnosis.SCHEDULER_BOUND)).diagnosis is Diagnosis.SCHEDULER_BOUND
-    calm = snap(**dict(SCHED, queue_time_p95_s=0.1, num_waiting=0.2))
+    calm = sched(cur, queue_time_p95_s=0.1, num_waiting=0.2)
     assert run(calm, cur=cur, history=past(Diagnosis.SCHEDULER_BOUND)).diagnosis is Diagnosis.HEALTHY
 
 
@@ -362,8 +375,8 @@ def test_small_wobbles_are_not_worse():
 
 def test_a_raise_that_lengthened_the_queue_is_reverted():
     cur = replace(CUR, max_num_seqs=16)
-    raised = run(snap(**SCHED), cur=cur)
-    d = run(snap(t=T0 + 200, **dict(SCHED, num_waiting=14.0)), cur=replace(cur, max_num_seqs=24),
+    raised = run(sched(cur), cur=cur)
+    d = run(sched(replace(cur, max_num_seqs=24), t=T0 + 200, num_waiting=14.0), cur=replace(cur, max_num_seqs=24),
             history=applied(raised))
     assert d.action is Action.REVERT and d.change == {"max_num_seqs": (24, 16)}
 
@@ -372,8 +385,8 @@ def test_a_raise_is_not_reverted_for_the_backlog_it_flushes():
     """Right after a raise the long-waiting backlog is admitted at once, so queue p95 jumps
     while the number waiting falls: that is the change working."""
     cur = replace(CUR, max_num_seqs=16)
-    raised = run(snap(**SCHED), cur=cur)
-    d = run(snap(t=T0 + 200, **dict(SCHED, queue_time_p95_s=5.0, num_waiting=4.0)),
+    raised = run(sched(cur), cur=cur)
+    d = run(sched(replace(cur, max_num_seqs=24), t=T0 + 200, queue_time_p95_s=5.0, num_waiting=4.0),
             cur=replace(cur, max_num_seqs=24), history=applied(raised))
     assert d.action is not Action.REVERT and d.verified is True
 
@@ -495,3 +508,16 @@ def test_prefix_cache_warning_diagnoses_but_never_acts():
     assert prefix_cache_warning(snap(prefix_hit_rate=None), shared_prefix=True) is None
     assert prefix_cache_warning(snap(**dict(IDLE, prefix_hit_rate=0.0)), shared_prefix=True) is None
     assert run(low).change == {}
+
+
+def test_right_after_a_raise_the_cap_still_binds_at_the_old_width():
+    # The window straddles a raise 16 -> 24: its mean running count (18) is the old cap's,
+    # so the diagnosis stays SchedulerBound rather than blaming the hardware.
+    cur = replace(CUR, max_num_seqs=16)
+    raised = run(sched(cur), cur=cur)
+    d = run(sched(replace(cur, max_num_seqs=24), t=T0 + 30, num_running=18.0),
+            cur=replace(cur, max_num_seqs=24), history=applied(raised))
+    assert d.diagnosis is Diagnosis.SCHEDULER_BOUND
+    later = run(sched(replace(cur, max_num_seqs=24), t=T0 + 200, num_running=18.0),
+                cur=replace(cur, max_num_seqs=24), history=applied(raised))
+    assert later.diagnosis is Diagnosis.HARDWARE_BOUND  # a whole window at 24 with 18 running: not the cap

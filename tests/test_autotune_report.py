@@ -72,7 +72,7 @@ def test_table_row():
     assert row.startswith("22:13:20")
     for part in (" 97.0 ", "0.50", "2.00s", " 47ms ", " 64 ", "2048", "PreemptionBound", "change max_num_seqs 64->48"):
         assert part in row
-    # time KV% preempt/s queue p95 TPOT p95 seqs len repl diagnosis decision
-    assert len(TABLE_HEADER.split()) == 12
+    # time KV% preempt/s queue p95 TTFT p95 TPOT p95 tok/s seqs len repl diagnosis decision
+    assert len(TABLE_HEADER.split()) == 15
     empty = format_table_row(T0, None, 64, 2048, 1, None)
     assert empty.split()[1:5] == ["-", "-", "-", "-"]

@@ -1,6 +1,8 @@
-"""`kvpilot serve` end to end: the official openai client against a live server process
-(builtin:tiny on CPU). One server for the session (tests/server_harness.py); tests that
-change its settings put them back."""
+"""`kvpilot serve` end to end: the official openai client against a live server process,
+each test twice: builtin:tiny on the CPU, and the same model shape on a simulated
+accelerator (the real server, scheduler and metrics; a timing model for the forward
+pass). One server per kind for the session (tests/server_harness.py); tests that change
+its settings put them back."""
 
 from __future__ import annotations
 
@@ -34,9 +36,9 @@ METRIC_NAMES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server():
-    return shared_server()
+@pytest.fixture(scope="module", params=["real", "simulated"])
+def server(request):
+    return shared_server(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +219,8 @@ def test_length_errors_name_both_numbers(server, client):
 
 def test_capacity_gauges_report_the_kv_sizing(server):
     m = server.metrics()
+    simulated = [k for k in m if k.startswith("kvpilot:simulated_info{")]
+    assert len(simulated) == (server.url == shared_server("simulated").url)
     # builtin:tiny in float32: 4 KiB per token; the server was given 64 MiB of KV cache.
     assert m[f"kvpilot:kv_cache_bytes_per_token{{model_name={MODEL}}}"] == 4096
     assert m[f"kvpilot:kv_cache_bytes{{model_name={MODEL}}}"] == 64 * 2**20

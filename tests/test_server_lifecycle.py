@@ -11,15 +11,16 @@ import httpx
 import openai
 import pytest
 
-from server_harness import ServerProcess, wait_for
+from server_harness import ServerProcess, simulated_args, wait_for
 
 KEY = "env-key"
 
 
-@pytest.fixture
-def server(tmp_path):
+@pytest.fixture(params=["real", "simulated"])
+def server(request, tmp_path):
+    model = simulated_args(tmp_path) if request.param == "simulated" else ["--model", "builtin:tiny"]
     proc = ServerProcess([
-        "--model", "builtin:tiny", "--served-model-name", "tiny", "--max-num-seqs", "1",
+        *model, "--served-model-name", "tiny", "--max-num-seqs", "1",
         "--max-model-len", "512", "--kv-cache-memory", "16Mi", "--max-queued-requests", "1",
         "--drain-timeout", "60",
     ], tmp_path / "server.log", env={"KVPILOT_API_KEY": KEY})

@@ -105,13 +105,15 @@ def test_refused_requests_count_as_length_refusals():
     assert samples["kvpilot:request_length_refusals_total"] == 1
 
 
-def test_scrapes_carry_exactly_the_series_a_real_server_exports():
+def test_scrapes_carry_exactly_the_series_a_simulated_server_exports():
     from kvpilot.engine.server.metrics import ServerMetrics
 
     real, sim = ServerMetrics("m", 2048), ReplicaMetrics("m", 2048)
-    stats = EngineStats(2, 1, 0.5, 100, 3, 10, 5, 40, 7, 16, 2048)
+    stats = EngineStats(2, 1, 0.5, 100, 3, 10, 5, 40, 7, 16, 2048, {
+        "simulated_steps": 9.0, "simulated_busy_seconds": 0.3, "simulated_overrun_seconds": 0.0})
     done = FinishedRequest("length", 20, 7, 1.5, 0.2, 0.1, 0.02)
     for sink in (real, sim):
+        sink.record_simulation("h100-80gb", "llama-3.1-8b")
         sink.record_capacity(1 << 20, 4096, 1 << 30)
         sink.record_stats(stats)
         sink.record_first_token(0.1)

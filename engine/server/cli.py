@@ -25,6 +25,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for in-flight requests before aborting them")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    p.add_argument("--record-steps", default=None, metavar="FILE",
+                   help="time every engine step and write them (with their shapes) to FILE at exit, "
+                        "for `kvpilot sim calibrate`")
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -46,16 +49,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(config)
     name = config.model_name
     metrics = ServerMetrics(name, engine.max_model_len)
+    if config.simulate is not None:
+        metrics.record_simulation(engine.runner.accelerator.name, engine.runner.model.name)
     settings = ServerSettings(
         served_model_name=name, model_path=config.model,
         max_queued_requests=args.max_queued_requests,
         api_key=args.api_key or os.environ.get("KVPILOT_API_KEY") or None,
         drain_timeout=args.drain_timeout,
     )
+    recorder = None
+    if args.record_steps:
+        from ..sim.steps import StepRecorder
+
+        recorder = StepRecorder(engine)
+        recorder.install()
     async_engine = AsyncEngine(engine, metrics)
     app = build_app(async_engine, settings, tuning_file=args.tuning_file)
     log.info("serving %s on http://%s:%d (max_num_seqs=%d, max_model_len=%d)", name, args.host,
              args.port, engine.max_num_seqs, engine.max_model_len)
-    return run_server(app, app.state.kvpilot, args.host, args.port,
+    code = run_server(app, app.state.kvpilot, args.host, args.port,
                       access_log=not args.disable_uvicorn_access_log,
                       log_level=logging.getLevelName(logging.getLogger().level).lower())
+    if recorder is not None:
+        from ..sim.steps import write_records
+
+        write_records(args.record_steps, recorder.records, {"model": config.model, "source": "kvpilot serve"})
+        log.info("wrote %d step times to %s", len(recorder.records), args.record_steps)
+    return code

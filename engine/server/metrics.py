@@ -8,12 +8,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from ..latency import FinishedRequest
 from ..metric_buckets import (ENGINE_INDEX, FINISH_REASONS, REQUEST_LATENCY_BUCKETS,  # noqa: F401
-                              TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS, buckets_1_2_5)
+                              SIMULATED_COUNTERS, TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS, buckets_1_2_5)
 from ..outputs import EngineStats
 
 
 class ServerMetrics:
     def __init__(self, model_name: str, max_model_len: int) -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name", "engine"]
         values = (model_name, ENGINE_INDEX)
@@ -78,6 +79,18 @@ class ServerMetrics:
             "Requests refused because prompt + max_tokens exceeds max_model_len.",
             kv_labels, registry=r).labels(model_name)
         self._last: EngineStats | None = None
+        self._executor: dict[str, Counter] = {}  # simulated pods only
+
+    def record_simulation(self, accelerator: str, model: str) -> None:
+        """Mark this server as simulated (kvpilot:simulated_info) and export the simulated
+        executor's step counters, so dashboards and the operator can tell."""
+        labels = ["model_name"]
+        Gauge("kvpilot:simulated_info", "1 on a simulated accelerator (the forward pass is a timing model).",
+              labels + ["accelerator", "model"], registry=self.registry).labels(
+            self.model_name, accelerator, model).set(1)
+        for key, doc in SIMULATED_COUNTERS.items():
+            self._executor[key] = Counter(f"kvpilot:{key}", doc, labels, registry=self.registry).labels(
+                self.model_name)
 
     def record_capacity(self, kv_cache_bytes: int, kv_bytes_per_token: int, weight_bytes: int) -> None:
         self.kv_cache_bytes.set(kv_cache_bytes)
@@ -100,6 +113,10 @@ class ServerMetrics:
             (self.generation_tokens, "generation_tokens_total"),
         ):
             delta = getattr(stats, field) - (getattr(last, field) if last else 0)
+            if delta > 0:
+                counter.inc(delta)
+        for key, counter in self._executor.items():
+            delta = stats.executor_counters.get(key, 0.0) - (last.executor_counters.get(key, 0.0) if last else 0.0)
             if delta > 0:
                 counter.inc(delta)
         self._last = stats

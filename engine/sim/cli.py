@@ -114,6 +114,123 @@ def _cmd_describe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_record(args: argparse.Namespace) -> int:
+    import os
+
+    from ..cli import engine_config_from_args
+    from ..llm_engine import LLMEngine
+    from .steps import record_grids, write_records
+
+    config = engine_config_from_args(args)
+    if config.simulate is not None:
+        raise ValueError("kvpilot sim record measures the real engine: leave out --simulate")
+    config.enable_prefix_caching = False  # every step computes what its shape says
+    engine = LLMEngine(config)
+    sync = lambda: None  # noqa: E731
+    device = getattr(engine.runner, "device", None)
+    if device is not None and device.type == "cuda":
+        import torch
+
+        sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
+    records = record_grids(engine, args.grid, sync=sync,
+                           progress=lambda s: print(f"recording {s}", file=sys.stderr, flush=True))
+    meta = {"model": config.model, "device": str(device), "dtype": str(getattr(engine.runner, "dtype", "")),
+            "grids": args.grid, "cpu_count": os.cpu_count(), "max_num_batched_tokens": config.max_num_batched_tokens}
+    write_records(args.out, records, meta)
+    print(f"wrote {len(records)} measured steps to {args.out}")
+    return 0
+
+
+def _records(args):
+    from .steps import read_records
+
+    records, meta = read_records(args.steps)
+    if args.grid:
+        records = [r for r in records if r.grid == args.grid]
+        if not records:
+            raise ValueError(f"steps: {args.steps} has no steps of grid {args.grid!r}")
+    return records, meta
+
+
+def host_accelerator():
+    """This CPU as an accelerator: its peaks measured by torch microbenchmarks."""
+    import os
+
+    from .hardware import Accelerator
+    from .steps import measure_host_peaks
+
+    peaks = measure_host_peaks("cpu")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    print(f"this host's peaks (torch microbenchmarks): matmul {peaks['flops'] / 1e9:.1f} GFLOP/s, "
+          f"copy {peaks['bandwidth'] / 1e9:.1f} GB/s", file=sys.stderr)
+    return Accelerator(name="cpu", memory_bytes=memory, bandwidth=peaks["bandwidth"], flops=peaks["flops"],
+                       reserved_bytes=0, source="torch microbenchmarks on this host")
+
+
+def _base_accelerator(args):
+    from .hardware import resolve_accelerator
+
+    return resolve_accelerator(args.base) if args.base else host_accelerator()
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from .calibrate import fit
+    from .hardware import CALIBRATED_FIELDS
+    from .shapes import resolve_model_shape
+    records, meta = _records(args)
+    model = resolve_model_shape(args.simulate_model or meta.get("model") or "", args.dtype)
+    acc, report = fit(model, _base_accelerator(args), records)
+    out = {**acc.to_json(), "fitted": {k: getattr(acc, k) for k in CALIBRATED_FIELDS},
+           "fit": {"steps": args.steps, "model": model.name, **report.__dict__}}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"fitted {acc.name}: effective bandwidth {acc.effective_bandwidth / 1e9:.2f} GB/s, GEMM "
+          f"{acc.effective_gemm_flops / 1e9:.1f} GFLOP/s, attention {acc.effective_attention_flops / 1e9:.1f} "
+          f"GFLOP/s; overhead {acc.step_overhead_s * 1e3:.3f} ms/step + {acc.per_seq_overhead_s * 1e6:.1f} us/seq "
+          f"+ {acc.per_token_overhead_s * 1e6:.2f} us/token")
+    print(f"fit error on its own steps: {report.describe()}")
+    print(f"wrote {args.out} (use it as --simulate {args.out}, or its 'fitted' block as --simulate-calibration)")
+    return 0
+
+
+def _cmd_predict(args: argparse.Namespace) -> int:
+    from .calibrate import errors
+    from .hardware import resolve_accelerator
+    from .shapes import resolve_model_shape
+    records, meta = _records(args)
+    model = resolve_model_shape(args.simulate_model or meta.get("model") or "", args.dtype)
+    acc = resolve_accelerator(args.simulate, args.simulate_calibration)
+    report = errors(model, acc, records)
+    print(f"SIMULATED {acc.name} predicting {args.steps}: {report.describe()}")
+    if args.json:
+        print(json.dumps(report.__dict__))
+    return 0
+
+
+def _cmd_fidelity(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .fidelity import print_fidelity, run_fidelity
+
+    result = run_fidelity(Path(args.out_dir), rounds=args.rounds)
+    print_fidelity(result)
+    print(f"details: {args.out_dir}/sim-fidelity.json, plot: {args.out_dir}/sim-fidelity.png")
+    return 0
+
+
+def _cmd_published(args: argparse.Namespace) -> int:
+    from .published import compare
+
+    rows = compare()
+    print("SIMULATED (uncalibrated presets) vs published vLLM measurements, Llama-3.1-8B bf16")
+    for r in rows:
+        print(f"{r['what']:<88} published {r['published']:8.2f} {r['unit']:<5} simulated "
+              f"{r['simulated']:8.2f}  {r['error']:+.0%}\n{'':<4}source: {r['source']}")
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    return 0
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     from ..cli import add_engine_args
 
@@ -147,4 +264,42 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = sub.add_parser("describe", help="the modelled KV capacity and step times of an accelerator")
     add_engine_args(p)
     p.set_defaults(func=_cmd_describe)
+
+    p = sub.add_parser("record", help="time the real engine's steps over a grid of batch shapes (JSON)")
+    add_engine_args(p)
+    p.add_argument("--grid", action="append", choices=("calibration", "validation"), required=True,
+                   help="repeat for both: their points are interleaved")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_cmd_record)
+
+    p = sub.add_parser("calibrate", help="fit overheads and effective rates to recorded step times")
+    p.add_argument("--steps", required=True, help="JSON from `kvpilot sim record`")
+    p.add_argument("--grid", default=None, help="fit only the steps of this grid (e.g. calibration)")
+    p.add_argument("--simulate-model", default=None, help="the recorded model's shape (default: from the file)")
+    p.add_argument("--dtype", default="float32", help="the dtype the steps ran in (default float32: CPU)")
+    p.add_argument("--base", default=None,
+                   help="the accelerator whose peaks to keep (a preset or JSON); default: this host's CPU, "
+                        "its peaks measured by torch microbenchmarks")
+    p.add_argument("--out", required=True, help="where to write the calibrated accelerator (JSON)")
+    p.set_defaults(func=_cmd_calibrate)
+
+    p = sub.add_parser("predict", help="how well an accelerator description predicts recorded steps")
+    p.add_argument("--steps", required=True)
+    p.add_argument("--grid", default=None, help="only the steps of this grid (e.g. validation)")
+    p.add_argument("--simulate", required=True, help="a preset or accelerator JSON (e.g. from calibrate)")
+    p.add_argument("--simulate-calibration", default=None)
+    p.add_argument("--simulate-model", default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_predict)
+
+    p = sub.add_parser("fidelity", help="measure the simulator against the real engine on this machine "
+                                        "(step times and bench serve; several minutes)")
+    p.add_argument("--out-dir", default="results")
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds of the serving comparison")
+    p.set_defaults(func=_cmd_fidelity)
+
+    p = sub.add_parser("published", help="the uncalibrated GPU presets beside published vLLM figures")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_published)
     return sim

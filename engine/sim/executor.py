@@ -47,6 +47,8 @@ class SimulatedExecutor:
         self.tokens = TokenSource(*_token_range(tokenizer), eos, sim.output_lengths)
         self.busy_s = 0.0  # modelled time spent in steps
         self.num_steps = 0
+        self.overrun_s = 0.0  # host work past the modelled end of a step (a host too slow)
+        self._last_end: float | None = None  # the previous step's end on the modelled timeline
 
     @classmethod
     def load(cls, config: EngineConfig, clock) -> SimulatedExecutor:
@@ -77,6 +79,10 @@ class SimulatedExecutor:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Nothing to allocate: the KV cache manager's block bookkeeping is the cache."""
 
+    def counters(self) -> dict[str, float]:
+        return {"simulated_steps": float(self.num_steps), "simulated_busy_seconds": self.busy_s,
+                "simulated_overrun_seconds": self.overrun_s}
+
     def make_generator(self, seed: int) -> None:
         return None  # tokens are a function of the request's seed and position
 
@@ -99,7 +105,18 @@ class SimulatedExecutor:
         duration = step_time(self.model, self.accelerator, batch)
         self.busy_s += duration
         self.num_steps += 1
-        self.clock.sleep_until(out.started_at + duration)
+        # A busy engine's steps follow each other on the modelled timeline: the host work in
+        # between (outputs, streaming, scheduling) is hidden behind the accelerator, as on
+        # real hardware. After an idle spell the step starts when it is scheduled. Host
+        # work longer than the step is counted, and the timeline restarts from it.
+        follows = out.follows_previous and self._last_end is not None
+        deadline = (self._last_end if follows else out.started_at) + duration
+        now = self.clock.now()
+        if now > deadline:
+            self.overrun_s += now - deadline
+            deadline = now
+        self.clock.sleep_until(deadline)
+        self._last_end = deadline
         token = self.tokens.token
         tokens = [token(r.seed, len(r.output_token_ids), r.sampling_params.ignore_eos,
                         r.sampling_params.min_tokens) for r in sampled]

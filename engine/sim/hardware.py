@@ -43,6 +43,9 @@ class Accelerator:
     step_overhead_s: float = 1e-3
     per_seq_overhead_s: float = 15e-6
     per_token_overhead_s: float = 0.0  # host work per scheduled token (input prep)
+    # Bytes moved per (query, key) pair per head by attention that materialises its score
+    # matrix (a plain softmax(QK^T)V, as the CPU reference does); 0 for fused kernels.
+    attention_score_bytes: float = 0.0
     reserved_bytes: int = 1 << 30  # CUDA context, library workspaces, graphs: not for KV
     source: str = ""
 
@@ -55,7 +58,8 @@ class Accelerator:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"accelerator {self.name}: {name} must be in (0, 1], got {value!r}")
-        for name in ("step_overhead_s", "per_seq_overhead_s", "per_token_overhead_s", "reserved_bytes"):
+        for name in ("step_overhead_s", "per_seq_overhead_s", "per_token_overhead_s", "reserved_bytes",
+                     "attention_score_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"accelerator {self.name}: {name} must be a non-negative number, got {value!r}")
@@ -95,7 +99,8 @@ PRESETS: dict[str, Accelerator] = {a.name: a for a in (
 
 # Fields a calibration file may set (a fitted overhead and fractions; peaks stay the datasheet's).
 CALIBRATED_FIELDS = ("bandwidth_efficiency", "gemm_efficiency", "attention_efficiency",
-                     "step_overhead_s", "per_seq_overhead_s", "per_token_overhead_s")
+                     "step_overhead_s", "per_seq_overhead_s", "per_token_overhead_s",
+                     "attention_score_bytes")
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -111,6 +116,8 @@ def _read_json(path: Path, what: str) -> dict:
 
 
 def _from_dict(raw: dict, origin: str) -> Accelerator:
+    # A file written by `kvpilot sim calibrate` also carries its fit report.
+    raw = {k: v for k, v in raw.items() if k not in ("fitted", "fit")}
     known = {f.name for f in fields(Accelerator)}
     unknown = sorted(set(raw) - known)
     if unknown:

@@ -9,7 +9,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from ..latency import FinishedRequest
-from ..metric_buckets import (ENGINE_INDEX, FINISH_REASONS, REQUEST_LATENCY_BUCKETS,
+from ..metric_buckets import (ENGINE_INDEX, FINISH_REASONS, REQUEST_LATENCY_BUCKETS, SIMULATED_COUNTERS,
                               TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS, buckets_1_2_5)
 from ..outputs import EngineStats
 from .log_histogram import LogHistogram
@@ -63,6 +63,8 @@ class ReplicaMetrics:
     success: dict[str, float] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0.0))
     capacity: dict[str, float] = field(default_factory=dict)
     length_refusals: float = 0.0
+    simulation: tuple[str, str] | None = None  # (accelerator, model) once record_simulation ran
+    executor: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         tokens = buckets_1_2_5(self.max_model_len)
@@ -87,6 +89,9 @@ class ReplicaMetrics:
                          "kvpilot:kv_cache_bytes_per_token": kv_bytes_per_token,
                          "kvpilot:model_weight_bytes": weight_bytes}
 
+    def record_simulation(self, accelerator: str, model: str) -> None:
+        self.simulation = (accelerator, model)
+
     def record_stats(self, s: EngineStats) -> None:
         self.running, self.waiting, self.kv_usage = s.num_running, s.num_waiting, s.kv_cache_usage
         self.max_num_seqs, self.max_model_len_live = s.max_num_seqs, s.max_model_len
@@ -96,6 +101,7 @@ class ReplicaMetrics:
         c["vllm:prefix_cache_hits_total"] = s.prefix_cache_hits_total
         c["vllm:prompt_tokens_total"] = s.prompt_tokens_total
         c["vllm:generation_tokens_total"] = s.generation_tokens_total
+        self.executor = s.executor_counters
 
     def record_first_token(self, ttft: float) -> None:
         self._ttft.observe(max(ttft, 0.0))
@@ -141,6 +147,11 @@ class ReplicaMetrics:
                 for r, v in self.success.items()]
         out += [Sample(name, own, float(v)) for name, v in self.capacity.items()]
         out.append(Sample("kvpilot:request_length_refusals_total", own, self.length_refusals))
+        if self.simulation is not None:
+            acc, model = self.simulation
+            out.append(Sample("kvpilot:simulated_info", {**own, "accelerator": acc, "model": model}, 1.0))
+            out += [Sample(f"kvpilot:{key}_total", own, float(self.executor.get(key, 0.0)))
+                    for key in SIMULATED_COUNTERS]
         for name, h in self.histograms.items():
             out += [Sample(f"{name}_bucket", {**base, "le": le}, float(n)) for le, n in h.cumulative()]
             out += [Sample(f"{name}_sum", base, h.sum), Sample(f"{name}_count", base, float(h.count))]

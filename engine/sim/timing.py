@@ -9,7 +9,9 @@ bandwidth) (a roofline per kernel, summed over the sequential kernels of a layer
   free until it turns compute-bound), plus the activations in and out;
 - attention: 4 x heads x head_dim FLOPs per (query, key) pair, so quadratic in the
   chunk length for prefill; bytes are each sequence's K/V read (once per 128-query tile,
-  as FlashAttention-style kernels do), plus q, o and the new K/V written;
+  as FlashAttention-style kernels do), plus q, o and the new K/V written, plus the score
+  matrix where an implementation materialises it (the accelerator's
+  attention_score_bytes per pair and head: 0 for fused kernels);
 - the LM head over the sampled rows only, and sampling over their logits;
 - a fixed host overhead per step, per sequence and per token.
 """
@@ -84,7 +86,8 @@ def step_cost(model: ModelShape, acc: Accelerator, batch: BatchShape) -> StepCos
     attn, attn_mem = _roofline(
         4 * m.num_heads * d * b.attention_pairs,
         b.kv_tokens_read * 2 * m.num_kv_heads * d * ab
-        + b.num_tokens * (2 * m.num_heads + 2 * m.num_kv_heads) * d * ab,
+        + b.num_tokens * (2 * m.num_heads + 2 * m.num_kv_heads) * d * ab
+        + b.attention_pairs * m.num_heads * acc.attention_score_bytes,
         acc.effective_attention_flops, bw)
     s = b.num_sampled
     lm_head = _roofline(2 * s * h * m.vocab_size, h * m.vocab_size * wb + s * m.vocab_size * LOGIT_BYTES,

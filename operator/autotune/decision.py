@@ -85,8 +85,10 @@ class Thresholds:
     tpot_target_ratio: float = 0.9
     tpot_raise_ratio: float = 0.9
     # Queueing: p95 of vllm:request_queue_time_seconds, or mean requests waiting (all pods).
+    # The exit level is vLLM's lowest queue-time bucket (0.3 s): a stock vLLM pod whose
+    # queue has emptied reads p95 = 0.95 x 0.3 s by interpolation, which must count as calm.
     queue_enter_s: float = 0.5
-    queue_exit_s: float = 0.2
+    queue_exit_s: float = 0.3
     waiting_enter: float = 2.0
     waiting_exit: float = 0.5
     # KV cache "full": mean of vllm:kv_cache_usage_perc over pods and the window.

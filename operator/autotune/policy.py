@@ -152,10 +152,15 @@ def _diagnose(s: Snapshot, cur: Settings, bounds: Bounds, history: History,
     queueing = queue_p95 >= queue_level or s.num_waiting >= waiting_level
     if not queueing:
         return Diagnosis.HEALTHY, f"healthy: {queue}, {kv}, {s.preemptions_per_s:.2f} preemptions/s"
-    if s.kv_usage_max < low_level:
+    # The cap binds only when the pods run about as many sequences as it allows: queueing
+    # with the cache and the cap both to spare (a burst of prompts waiting for the token
+    # budget) is no reason to raise it.
+    at_cap = s.num_running / max(cur.replicas, 1) >= t.running_at_cap * _cap_in_window(s, cur, history)
+    if s.kv_usage_max < low_level and at_cap:
         return Diagnosis.SCHEDULER_BOUND, (
-            f"{queue} while {kv} (peak < {low_level:.0%}): max_num_seqs={cur.max_num_seqs} binds")
-    if s.num_running >= t.running_at_cap * cur.max_num_seqs and s.kv_usage_mean < t.kv_full_exit:
+            f"{queue} while {kv} (peak < {low_level:.0%}) and {s.num_running:.1f} run: "
+            f"max_num_seqs={cur.max_num_seqs} binds")
+    if at_cap and s.kv_usage_mean < t.kv_full_exit:
         return Diagnosis.SCHEDULER_BOUND, (
             f"{queue} while {s.num_running:.1f} run (max_num_seqs={cur.max_num_seqs}) and {kv}: "
             f"the cap binds before the cache does")
@@ -302,6 +307,15 @@ def _blocked(history: History, setting: str, direction: int, now: float, t: Thre
 
 
 # --- helpers ----------------------------------------------------------------------------
+
+def _cap_in_window(s: Snapshot, cur: Settings, history: History) -> int:
+    """The lowest max_num_seqs in effect during the window: right after a raise, the
+    window's mean running count still reflects the old cap."""
+    last = history.last_applied()
+    if last is not None and s.time - last.decision.time < s.window_s and "max_num_seqs" in last.decision.change:
+        return min(cur.max_num_seqs, *last.decision.change["max_num_seqs"])
+    return cur.max_num_seqs
+
 
 def _clamp_to_bounds(cur: Settings, bounds: Bounds) -> dict:
     out = {}

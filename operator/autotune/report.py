@@ -151,8 +151,8 @@ def history_from_status(status: dict | None, limit: int = 20) -> History:
     return History(entries=tuple(entries)[-limit:], diagnoses=diagnoses[-limit:], limit=limit)
 
 
-TABLE_HEADER = (f"{'time':<8} {'KV%':>5} {'preempt/s':>9} {'queue p95':>9} {'TPOT p95':>8} {'seqs':>5} "
-                f"{'len':>6} {'repl':>4}  {'diagnosis':<15} decision")
+TABLE_HEADER = (f"{'time':<8} {'KV%':>5} {'preempt/s':>9} {'queue p95':>9} {'TTFT p95':>8} {'TPOT p95':>8} "
+                f"{'tok/s':>6} {'seqs':>5} {'len':>6} {'repl':>4}  {'diagnosis':<15} decision")
 
 
 def format_table_row(time: float, snapshot: Snapshot | None, max_num_seqs: int, max_model_len: int,
@@ -165,6 +165,7 @@ def format_table_row(time: float, snapshot: Snapshot | None, max_num_seqs: int, 
     clock = _dt.datetime.fromtimestamp(time, _dt.timezone.utc).strftime("%H:%M:%S")
     kv = None if s is None or s.kv_usage_mean is None else 100 * s.kv_usage_mean
     tpot_ms = None if s is None or s.tpot_p95_s is None else 1000 * s.tpot_p95_s
+    ttft = None if s is None else s.ttft_p95_s
     if decision is None:
         diag, what = "-", "-"
     else:
@@ -173,5 +174,7 @@ def format_table_row(time: float, snapshot: Snapshot | None, max_num_seqs: int, 
                 if decision.change else "hold")
     return (f"{clock:<8} {num(kv, '5.1f'):>5} {num(s and s.preemptions_per_s, '9.2f'):>9} "
             f"{num(s and s.queue_time_p95_s, '8.2f') + ('s' if s and s.queue_time_p95_s is not None else ''):>9} "
+            f"{num(ttft, '.2f') + ('s' if ttft is not None else ''):>8} "
             f"{num(tpot_ms, '.0f') + ('ms' if tpot_ms is not None else ''):>8} "
+            f"{num(s and s.generation_tokens_per_s, '.0f'):>6} "
             f"{max_num_seqs:>5} {max_model_len:>6} {replicas:>4}  {diag:<15} {what}")
