@@ -127,6 +127,10 @@ class Story:
             if part is not None:
                 part.stop()
 
+    def delete(self) -> None:
+        """Remove the story's namespace (its pods would otherwise go on using the host)."""
+        self.cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+
     def run(self) -> Result:
         from kvpilot.operator.autotune import TABLE_HEADER, format_table_row
 
@@ -210,6 +214,7 @@ class Story:
         results = self.load.results
         result.before = _window(results, 5, t.warmup_s)
         result.after = _window(results, max(t.warmup_s, end - 30), end)
+        rss = ks.gauge(url, "process_resident_memory_bytes")
         busy = ks.gauge(url, "kvpilot:simulated_busy_seconds_total")
         over = ks.gauge(url, "kvpilot:simulated_overrun_seconds_total")
         if busy:
@@ -240,4 +245,7 @@ class Story:
                        "WARNING: this host could not keep up with the simulated GPU; figures are slower than modelled")
             lines.append(f"host work past the modelled step ends: {result.overrun_fraction:.1%} of the modelled "
                          f"time ({verdict})")
+        if rss:
+            lines.append(f"the simulated pod's resident memory after the load: {rss / 2**20:.0f} MiB "
+                         f"(no weights, no KV bytes, no torch)")
         lines.append(f"timeline: {result.png}")

@@ -32,6 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch's intra-op threads on the CPU (default: torch's, one per core); fewer "
+                        "leave cores to the HTTP server and its clients, as vLLM's CPU backend does")
     sim = p.add_argument_group(
         "simulated accelerator", "the real scheduler, KV cache manager, server and metrics, with "
         "the forward pass replaced by a timing model (no GPU, no weights)")
@@ -55,7 +58,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching,
-        attention_backend=args.attention_backend, seed=args.seed,
+        attention_backend=args.attention_backend, seed=args.seed, cpu_threads=args.cpu_threads,
         simulate=simulation_config_from_args(args),
     )
 

@@ -27,6 +27,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     seed: int = 0
+    cpu_threads: int | None = None  # torch's intra-op threads on the CPU (None: torch's default)
     simulate: SimulationConfig | None = None  # a timing model in place of the forward pass
 
     def __post_init__(self) -> None:
@@ -53,6 +54,9 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or not isinstance(
+                self.cpu_threads, int) or not 1 <= self.cpu_threads <= 1024):
+            raise ValueError(f"cpu_threads must be an integer in [1, 1024], got {self.cpu_threads!r}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.max_model_len is not None and (

@@ -26,6 +26,8 @@ class ModelRunner:
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, model_cfg, self.device)
         torch.manual_seed(config.seed)
+        if self.device.type == "cpu" and config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         self.block_size = config.block_size
         self.model_cfg = model_cfg
         self.vocab_size = model_cfg.vocab_size

@@ -17,8 +17,11 @@ On a CUDA device it runs, in this order, within ``--budget-s`` seconds:
    plus one long-prompt prefill beside SDPA's causal attention;
 4. if time is left, the engine end to end on a random-weight model of
    Llama-3.2-1B's shape (bf16): offline throughput at 1 and 64 concurrent
-   requests, beside ``transformers`` ``generate`` on the same weights and prompts.
-   Failures here are recorded, not fatal.
+   requests, beside ``transformers`` ``generate`` on the same weights and prompts,
+   then the engine's step times over the simulator's calibration and validation
+   grids, written to ``<out>.steps.json`` for ``kvpilot sim calibrate --steps FILE
+   --base h100-80gb`` (the file carries the model's config). Failures here are
+   recorded, not fatal.
 
 Full results go to ``--out`` as JSON; a short table is printed last. Without CUDA
 (or with ``--cpu``) only step 1 runs, under ``TRITON_INTERPRET=1`` with small shapes.
@@ -366,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         elif deadline - time.monotonic() < E2E_MIN_SECONDS:
             results["e2e"] = {"skipped": f"less than {E2E_MIN_SECONDS} s of the budget left"}
         else:
-            results["e2e"] = run_end_to_end(args.e2e_prompt_len, args.e2e_max_tokens, deadline)
+            steps = out_path.with_suffix(".steps.json")
+            results["e2e"] = run_end_to_end(args.e2e_prompt_len, args.e2e_max_tokens, deadline, steps_out=steps)
     else:
         results["timing"] = "skipped: no GPU (correctness ran under TRITON_INTERPRET=1 on small shapes)"
 

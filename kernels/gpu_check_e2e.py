@@ -30,8 +30,12 @@ def run_end_to_end(
     device: str = "cuda",
     concurrency: tuple[int, ...] = (1, 64),
     llm_kwargs: dict[str, Any] | None = None,
+    steps_out: Path | None = None,
+    step_grids: tuple[str, ...] = ("calibration", "validation"),
 ) -> dict[str, Any]:
-    """kvpilot's offline throughput vs ``transformers`` ``generate`` on one random model.
+    """kvpilot's offline throughput vs ``transformers`` ``generate`` on one random model;
+    with `steps_out`, also the engine's step times over the simulator's grids (written
+    there for `kvpilot sim calibrate --steps FILE --base h100-80gb`).
 
     Defaults: Llama-3.2-1B's shape in bf16 on CUDA with the Triton backend. The
     tests call it with a tiny model on the CPU to keep this path honest.
@@ -77,6 +81,8 @@ def run_end_to_end(
             ours[n] = [list(o.outputs[0].token_ids) for o in outs]
             generated = sum(len(toks) for toks in ours[n])
             result[f"kvpilot_{n}"] = {"s": elapsed, "output_tokens": generated, "tok_per_s": generated / elapsed}
+        if steps_out is not None and time.monotonic() < deadline:
+            result["steps"] = _record_steps(llm.engine, model_dir, step_grids, steps_out, sync)
         del llm
         gc.collect()
         if device == "cuda":
@@ -118,6 +124,23 @@ def run_end_to_end(
             torch.cuda.empty_cache()
         shutil.rmtree(workdir, ignore_errors=True)
     return result
+
+
+def _record_steps(engine, model_dir: Path, grids: tuple[str, ...], out: Path, sync) -> dict[str, Any]:
+    """The simulator's step grids on this engine; the JSON carries the model's config, so
+    calibration needs nothing else."""
+    import json
+
+    from kvpilot.engine.sim.steps import grid_max_len, record_grids, write_records
+
+    engine.kv_cache.enable_prefix_caching = False  # every step computes what its shape says
+    engine.update_limits(max_model_len=grid_max_len(list(grids)), max_num_seqs=max(engine.max_num_seqs, 64))
+    t = time.monotonic()
+    records = record_grids(engine, list(grids), sync=sync)
+    config = json.loads((model_dir / "config.json").read_text())
+    write_records(out, records, {"model": "gpu_check random model", "config": config,
+                                 "device": str(engine.runner.device), "dtype": str(engine.runner.dtype)})
+    return {"file": str(out), "records": len(records), "s": time.monotonic() - t}
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -85,11 +85,13 @@ def test_every_kernel_compiles_for_hopper_without_spills_on_llama_shapes():
             assert r["spill_store_bytes"] == 0, f"register spills in {r}"
 
 
-def test_gpu_check_end_to_end_part_runs_on_a_tiny_cpu_model():
-    """The end-to-end part (make model, kvpilot LLM, transformers generate, agreement)
-    on a tiny float32 model on the CPU, so its first GPU run is not its first run."""
+def test_gpu_check_end_to_end_part_runs_on_a_tiny_cpu_model(tmp_path):
+    """The end-to-end part (make model, kvpilot LLM, transformers generate, agreement,
+    step times for the simulator's calibration) on a tiny float32 model on the CPU, so
+    its first GPU run is not its first run."""
     import time
 
+    from kvpilot.engine.sim.steps import read_records
     from kvpilot.kernels.gpu_check import run_end_to_end
 
     result = run_end_to_end(
@@ -97,8 +99,11 @@ def test_gpu_check_end_to_end_part_runs_on_a_tiny_cpu_model():
         model_shape={"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab": 512},
         dtype="float32", device="cpu", concurrency=(1, 3),
         llm_kwargs={"attention_backend": "torch", "kv_cache_memory": "16Mi"},
+        steps_out=tmp_path / "steps.json", step_grids=("smoke",),
     )
     assert "error" not in result, result.get("traceback")
+    records, meta = read_records(tmp_path / "steps.json")
+    assert meta["config"]["hidden_size"] == 64 and {r.kind for r in records} >= {"decode", "prefill"}
     for n in (1, 3):
         assert result[f"kvpilot_{n}"]["output_tokens"] == 4 * n
         assert result[f"transformers_{n}"]["output_tokens"] == 4 * n

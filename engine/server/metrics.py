@@ -4,7 +4,7 @@ server instance; nothing module-global is mutated."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from ..latency import FinishedRequest
 from ..metric_buckets import (ENGINE_INDEX, FINISH_REASONS, REQUEST_LATENCY_BUCKETS,  # noqa: F401
@@ -16,6 +16,7 @@ class ServerMetrics:
     def __init__(self, model_name: str, max_model_len: int) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU seconds, fds
         labels = ["model_name", "engine"]
         values = (model_name, ENGINE_INDEX)
         r = self.registry

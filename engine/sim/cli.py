@@ -70,6 +70,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.save_result:
         with open(args.save_result, "w") as f:
             json.dump(result, f, indent=2)
+    if args.plot:
+        from .report import plot_scrapes
+
+        plot_scrapes(fleet, args.plot, f"{result['accelerator']} x{result['replicas']}, "
+                                       f"{config.simulate.model}, {result['completed']} requests")
+        print(f"plot: {args.plot}")
     if args.save_scrapes:
         with open(args.save_scrapes, "w") as f:
             for sc in fleet.scrapes:
@@ -167,6 +173,20 @@ def host_accelerator():
                        reserved_bytes=0, source="torch microbenchmarks on this host")
 
 
+def _recorded_shape(args, meta: dict):
+    """The recorded model's shape: --simulate-model, else the config the file carries
+    (gpu_check's), else the model it names."""
+    from .shapes import ModelShape, resolve_model_shape
+
+    if args.simulate_model:
+        return resolve_model_shape(args.simulate_model, args.dtype)
+    if isinstance(meta.get("config"), dict):
+        return ModelShape.from_config(meta["config"], str(meta.get("model", "recorded model")), args.dtype)
+    if meta.get("model"):
+        return resolve_model_shape(str(meta["model"]), args.dtype)
+    raise ValueError(f"steps: {args.steps} names no model; give --simulate-model")
+
+
 def _base_accelerator(args):
     from .hardware import resolve_accelerator
 
@@ -178,7 +198,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from .hardware import CALIBRATED_FIELDS
     from .shapes import resolve_model_shape
     records, meta = _records(args)
-    model = resolve_model_shape(args.simulate_model or meta.get("model") or "", args.dtype)
+    model = _recorded_shape(args, meta)
     acc, report = fit(model, _base_accelerator(args), records)
     out = {**acc.to_json(), "fitted": {k: getattr(acc, k) for k in CALIBRATED_FIELDS},
            "fit": {"steps": args.steps, "model": model.name, **report.__dict__}}
@@ -198,7 +218,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     from .hardware import resolve_accelerator
     from .shapes import resolve_model_shape
     records, meta = _records(args)
-    model = resolve_model_shape(args.simulate_model or meta.get("model") or "", args.dtype)
+    model = _recorded_shape(args, meta)
     acc = resolve_accelerator(args.simulate, args.simulate_calibration)
     report = errors(model, acc, records)
     print(f"SIMULATED {acc.name} predicting {args.steps}: {report.describe()}")
@@ -252,6 +272,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--save-result", default=None, metavar="FILE")
     p.add_argument("--save-scrapes", default=None, metavar="FILE",
                    help="every scrape as JSONL (time, replica, samples)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="running, waiting, KV usage and output tokens/s over time, from the scrapes")
     p.add_argument("--disable-tqdm", action="store_true")
     p.set_defaults(func=_cmd_run)
 
@@ -276,7 +298,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--steps", required=True, help="JSON from `kvpilot sim record`")
     p.add_argument("--grid", default=None, help="fit only the steps of this grid (e.g. calibration)")
     p.add_argument("--simulate-model", default=None, help="the recorded model's shape (default: from the file)")
-    p.add_argument("--dtype", default="float32", help="the dtype the steps ran in (default float32: CPU)")
+    p.add_argument("--dtype", default="float32",
+                   help="the dtype the steps ran in (default float32: CPU; bfloat16 for gpu_check's)")
     p.add_argument("--base", default=None,
                    help="the accelerator whose peaks to keep (a preset or JSON); default: this host's CPU, "
                         "its peaks measured by torch microbenchmarks")

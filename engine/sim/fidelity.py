@@ -3,11 +3,14 @@ this machine, measured end to end.
 
 1. Step times: the real engine runs the calibration and validation grids (interleaved);
    the timing model is fitted on the calibration shapes and predicts the validation ones.
-2. Serving: a real `kvpilot serve` records its step times under one `bench serve`
-   workload (A); the fit of those steps drives a simulated server; both servers then run
-   a different workload (B), alternately, and their bench figures are compared. The
-   grid-calibrated description is run on B too: it leaves out the HTTP and streaming work
-   that shares the CPU with the engine in a real server, which a GPU would not feel.
+2. Serving: a real `kvpilot serve` records its step times under `bench serve`
+   workloads: A at the concurrency of the judged workload B but with longer prompts
+   and answers, A' at other concurrencies. Each fit drives a simulated server; the real
+   and simulated servers then run B, alternately, and their bench figures are compared.
+   The grid-calibrated description runs B too. On a CPU, a serving step is slower than
+   the same step offline: the HTTP server, the streams and the benchmark client share the
+   cores (and the GIL) with the engine, by an amount that depends on how many streams
+   run, which a GPU would not feel and no step shape can tell.
 """
 
 from __future__ import annotations
@@ -30,10 +33,18 @@ from .hardware import Accelerator
 from .shapes import resolve_model_shape
 from .steps import read_records, record_grids, write_records
 
-WORKLOAD_A = dict(random_input_len=400, random_output_len=150, random_range_ratio=0.6, num_prompts=200,
-                  max_concurrency=16, seed=1)
+# The workload the simulated servers are judged on, and the serving workloads calibrated on:
+# A at B's concurrency but 3x the prompts and 2x the answers; A' at other concurrencies.
 WORKLOAD_B = dict(random_input_len=200, random_output_len=100, random_range_ratio=0.5, num_prompts=150,
                   max_concurrency=12, seed=2)
+CALIBRATIONS = {
+    "serve A (concurrency 12, longer)": [dict(random_input_len=600, random_output_len=200, random_range_ratio=0.5,
+                                              num_prompts=100, max_concurrency=12, seed=5)],
+    "serve A' (concurrency 4 and 24)": [dict(random_input_len=800, random_output_len=200, random_range_ratio=0.5,
+                                              num_prompts=40, max_concurrency=4, seed=1),
+                                         dict(random_input_len=150, random_output_len=60, random_range_ratio=0.5,
+                                              num_prompts=200, max_concurrency=24, seed=3)],
+}
 SERVE = ["--served-model-name", "m", "--max-num-seqs", "32", "--max-model-len", "2048",
          "--kv-cache-memory", "256Mi", "--disable-uvicorn-access-log"]
 FIGURES = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
@@ -49,7 +60,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve_and_bench(args: list[str], workload: dict, log: Path, deadline_s: float = 300) -> dict:
+def _serve_and_bench(args: list[str], workloads: list[dict], log: Path, deadline_s: float = 300) -> list[dict]:
+    """Start `kvpilot serve ARGS`, run each workload through bench serve, stop it."""
     port = _free_port()
     cmd = [sys.executable, "-m", "kvpilot.engine.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            *SERVE, *args]
@@ -68,8 +80,8 @@ def _serve_and_bench(args: list[str], workload: dict, log: Path, deadline_s: flo
                 time.sleep(0.2)
             else:
                 raise TimeoutError(f"kvpilot serve not healthy in {deadline_s}s; see {log}")
-            return run_benchmark(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="m",
-                                             disable_tqdm=True, **workload))
+            return [run_benchmark(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="m",
+                                              disable_tqdm=True, **w)) for w in workloads]
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -108,33 +120,36 @@ def run_fidelity(out_dir: Path, rounds: int = 2) -> dict:
     _say(f"grid fit: {grid_fit.describe()}")
     _say(f"grid validation: {grid_val.describe()}")
 
-    _say("2/3 recording a real server's step times under bench serve workload A")
-    serve_file = work / "serve-steps.json"
-    a = _serve_and_bench(["--model", "builtin:tiny", "--record-steps", str(serve_file)], WORKLOAD_A,
-                         work / "serve-a.log")
-    serve_steps, _ = read_records(serve_file)
-    serve_acc, serve_fit = fit(model, base, serve_steps)
-    result["serve_a"] = {"bench": {k: a[k] for k in FIGURES}, "fit": serve_fit.__dict__,
-                         "accelerator": serve_acc.to_json(), "steps": len(serve_steps)}
-    _say(f"serve fit: {serve_fit.describe()}")
-    for name, acc in (("grid", grid_acc), ("serve", serve_acc)):
-        (work / f"{name}.json").write_text(json.dumps(acc.to_json()))
     sim = ["--simulate-model", "builtin:tiny", "--dtype", "float32"]
+    variants = {"grid (offline)": grid_acc}
+    result["serve"] = {}
+    for name, workloads in CALIBRATIONS.items():
+        _say(f"2/3 recording a real server's step times under {name}")
+        steps_file = work / f"serve-steps-{len(variants)}.json"
+        bench = _serve_and_bench(["--model", "builtin:tiny", "--record-steps", str(steps_file)], workloads,
+                                 work / f"serve-{len(variants)}.log")
+        steps, _ = read_records(steps_file)
+        acc, report = fit(model, base, steps)
+        variants[name] = acc
+        result["serve"][name] = {"workloads": workloads, "bench": [{k: r[k] for k in FIGURES} for r in bench],
+                                 "fit": report.__dict__, "accelerator": acc.to_json(), "steps": len(steps)}
+        _say(f"fit on {name}: {report.describe()}")
+    for k, acc in enumerate(variants.values()):
+        (work / f"acc-{k}.json").write_text(json.dumps(acc.to_json()))
 
     _say(f"3/3 workload B on the real server and the simulated ones, {rounds} rounds alternating")
-    runs: dict[str, list[dict]] = {"real": [], "simulated (serve-calibrated)": [], "simulated (grid-calibrated)": []}
+    runs: dict[str, list[dict]] = {"real": [], **{f"simulated, calibrated on {n}": [] for n in variants}}
     for k in range(rounds):
-        runs["real"].append(_serve_and_bench(["--model", "builtin:tiny"], WORKLOAD_B, work / f"real-{k}.log"))
-        runs["simulated (serve-calibrated)"].append(_serve_and_bench(
-            ["--simulate", str(work / "serve.json"), *sim], WORKLOAD_B, work / f"sim-{k}.log"))
-        runs["simulated (grid-calibrated)"].append(_serve_and_bench(
-            ["--simulate", str(work / "grid.json"), *sim], WORKLOAD_B, work / f"grid-{k}.log"))
+        runs["real"] += _serve_and_bench(["--model", "builtin:tiny"], [WORKLOAD_B], work / f"real-{k}.log")
+        for j, n in enumerate(variants):
+            runs[f"simulated, calibrated on {n}"] += _serve_and_bench(
+                ["--simulate", str(work / f"acc-{j}.json"), *sim], [WORKLOAD_B], work / f"sim-{j}-{k}.log")
         _say(f"round {k + 1}: " + ", ".join(f"{n} {r[-1]['output_throughput']:.0f} tok/s" for n, r in runs.items()))
     real = _figures(runs["real"])
     result["workload_b"] = {name: {"figures": _figures(rs), "runs": [{k: r[k] for k in FIGURES} for r in rs],
                                    "error": {k: _figures(rs)[k] / real[k] - 1 for k in FIGURES}}
                             for name, rs in runs.items()}
-    result["workloads"] = {"A": WORKLOAD_A, "B": WORKLOAD_B}
+    result["workload_b_spec"] = WORKLOAD_B
     (out_dir / "sim-fidelity.json").write_text(json.dumps(result, indent=2))
     _plot(out_dir / "sim-fidelity.png", model, grid_acc, grid_steps)
     return result
@@ -171,10 +186,10 @@ def print_fidelity(r: dict) -> None:
     print(f"bench serve workload B (input {WORKLOAD_B['random_input_len']}, output "
           f"{WORKLOAD_B['random_output_len']}, ratio {WORKLOAD_B['random_range_ratio']}, concurrency "
           f"{WORKLOAD_B['max_concurrency']}); the simulated servers are SIMULATED:")
-    print(f"{'server':32}{'output tok/s':>14}{'TTFT median':>14}{'TPOT median':>14}")
+    print(f"{'server':58}{'output tok/s':>13}{'TTFT median':>13}{'TPOT median':>13}")
     for name, v in r["workload_b"].items():
         f, e = v["figures"], v["error"]
-        err = "" if name == "real" else (f"   errors {e['output_throughput']:+.0%} / {e['median_ttft_ms']:+.0%}"
+        err = "" if name == "real" else (f"  errors {e['output_throughput']:+.0%} / {e['median_ttft_ms']:+.0%}"
                                          f" / {e['median_tpot_ms']:+.0%}")
-        print(f"{name:32}{f['output_throughput']:>14.1f}{f['median_ttft_ms']:>12.1f}ms"
-              f"{f['median_tpot_ms']:>12.2f}ms{err}")
+        print(f"{name:58}{f['output_throughput']:>13.1f}{f['median_ttft_ms']:>11.1f}ms"
+              f"{f['median_tpot_ms']:>11.2f}ms{err}")

@@ -62,3 +62,45 @@ def print_sim_result(r: dict) -> None:
         print(f"{'KV cache usage mean / max:':<40} {r['kv_usage_mean']:.1%} / {r['kv_usage_max']:.1%}")
     print(f"{'Accelerator busy:':<40} {r['busy_fraction']:.1%}")
     print(f"{'Median / P99 queue time (ms):':<40} {r['median_queue_ms']:.2f} / {r['p99_queue_ms']:.2f}")
+
+
+def scrape_series(fleet: Fleet) -> dict[str, list[tuple[float, float]]]:
+    """Fleet-wide series over time from the scrapes: requests running and waiting (sums),
+    KV cache usage (mean over replicas) and output tokens/s (rate between scrapes)."""
+    by_time: dict[float, list[dict[str, float]]] = {}
+    for sc in fleet.scrapes:
+        by_time.setdefault(sc.time, []).append({s.name: s.value for s in sc.samples if not s.labels.get("le")})
+    out: dict[str, list[tuple[float, float]]] = {"running": [], "waiting": [], "kv_usage_pct": [], "tokens_per_s": []}
+    prev = None
+    for t in sorted(by_time):
+        reps = by_time[t]
+        out["running"].append((t, sum(r.get("vllm:num_requests_running", 0.0) for r in reps)))
+        out["waiting"].append((t, sum(r.get("vllm:num_requests_waiting", 0.0) for r in reps)))
+        out["kv_usage_pct"].append((t, 100 * statistics.fmean(r.get("vllm:kv_cache_usage_perc", 0.0) for r in reps)))
+        tokens = sum(r.get("vllm:generation_tokens_total", 0.0) for r in reps)
+        if prev is not None and t > prev[0]:
+            out["tokens_per_s"].append((t, max(tokens - prev[1], 0.0) / (t - prev[0])))
+        prev = (t, tokens)
+    return out
+
+
+def plot_scrapes(fleet: Fleet, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = scrape_series(fleet)
+    panels = [("running", "requests running"), ("waiting", "requests waiting"),
+              ("kv_usage_pct", "KV cache %"), ("tokens_per_s", "output tokens/s")]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 8), sharex=True)
+    for ax, (key, label) in zip(axes, panels):
+        pts = series[key]
+        ax.plot([t / 60 for t, _ in pts], [v for _, v in pts], lw=1.2)
+        ax.set_ylabel(label, fontsize=8)
+        ax.grid(True, alpha=0.3)
+    axes[-1].set_xlabel("simulated minutes")
+    fig.suptitle(f"{SIMULATED}: {title}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

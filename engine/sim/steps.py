@@ -21,6 +21,7 @@ GRIDS = {
                     "prefill": [32, 128, 512, 1024, 2048]},
     "validation": {"decode": [(b, c) for b in (2, 8, 24, 32) for c in (256, 1024)],
                    "prefill": [64, 256, 768, 1536]},
+    "smoke": {"decode": [(2, 16)], "prefill": [16]},  # the recorder's own test
 }
 DECODE_STEPS = 4  # decode steps of the whole batch per grid point (after its prefill)
 REPEATS = 3  # each grid point runs this often; every step's time is the median of its repeats
@@ -103,6 +104,18 @@ class StepRecorder:
             engine.abort_request(rid.rsplit("#", 1)[0])
 
 
+WARMUP_PROMPT = 64
+
+
+def grid_max_len(grids: list[str]) -> int:
+    """The max_model_len the grids' requests need."""
+    need = WARMUP_PROMPT + 4
+    for g in grids:
+        need = max([need] + [c + DECODE_STEPS + 2 for _, c in GRIDS[g]["decode"]]
+                   + [n + 1 for n in GRIDS[g]["prefill"]])
+    return need
+
+
 def record_grids(engine, grids: list[str], progress: Callable[[str], None] | None = None, seed: int = 0,
                  sync: Callable[[], None] = lambda: None) -> list[StepRecord]:
     """Every step of the grids' decode batches and single prefills, measured. The grids'
@@ -118,7 +131,10 @@ def record_grids(engine, grids: list[str], progress: Callable[[str], None] | Non
     def prompt(n: int) -> list[int]:
         return [rng.randrange(16, vocab) for _ in range(n)]
 
-    rec.run_batch([prompt(64)] * 2, 4, 2, "warm-up")
+    if engine.max_model_len < grid_max_len(grids):
+        raise ValueError(f"max_model_len must be at least {grid_max_len(grids)} for the grids {grids} "
+                         f"(it is {engine.max_model_len})")
+    rec.run_batch([prompt(WARMUP_PROMPT)] * 2, 4, 2, "warm-up")
     rec.records.clear()
     per_grid = [[(g, "decode", p) for p in GRIDS[g]["decode"]] + [(g, "prefill", n) for n in GRIDS[g]["prefill"]]
                 for g in grids]

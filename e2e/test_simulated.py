@@ -1,0 +1,86 @@
+"""Simulated GPU pods on the local cluster: an LLMDeployment with engine.simulate becomes
+Ready on a pod that requests nvidia.com/gpu, answers completions, says it is simulated
+(status, column, metrics), stays small; and the demo's story, on its fast timings, ends
+with the autotuner having fixed the deployment."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from demo_story import FAST, Story
+from test_autotune import tuned_operator  # noqa: F401  (the fixture: the chart installed, 1 s resync)
+from test_operator import condition, diagnose
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "llmdeployment-simulated.yaml"
+LLMD = "/apis/serving.kvpilot.dev/v1alpha1/namespaces/{ns}/llmdeployments/{name}"
+MAX_SIMULATED_RSS = 200 * 2**20
+
+
+def _metric(text: str, name: str) -> float | None:
+    m = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def test_a_simulated_llmdeployment_is_ready_answers_and_says_so(cluster, tuned_operator, namespace, wait_for):
+    kube = tuned_operator
+    m = yaml.safe_load(EXAMPLE.read_text())
+    m["metadata"]["namespace"] = namespace
+    m["spec"]["autotune"]["prometheus"]["url"] = cluster.prometheus_url
+    name = m["metadata"]["name"]
+    cluster.apply(m)
+
+    def ready():
+        obj = kube.get(LLMD.format(ns=namespace, name=name), ok404=True)
+        return obj if condition(obj, "Ready").get("status") == "True" else None
+    try:
+        obj = wait_for(ready, timeout=300, interval=1, what="the simulated LLMDeployment to be Ready")
+    except TimeoutError:
+        raise AssertionError(diagnose(cluster, namespace)) from None
+    assert obj["status"]["simulated"] == "h100-80gb/llama-3.1-8b"
+    assert "simulated h100-80gb" in condition(obj, "Ready")["message"]
+    row = cluster.kubectl("get", "llmd", name, "-n", namespace).stdout
+    assert "SIMULATED" in row.splitlines()[0] and "h100-80gb/llama-3.1-8b" in row
+
+    pods = kube.get(f"/api/v1/namespaces/{namespace}/pods",
+                    params={"labelSelector": f"serving.kvpilot.dev/llmdeployment={name}"})["items"]
+    (pod,) = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    container = pod["spec"]["containers"][0]
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == "1"
+    assert pod["metadata"]["labels"]["serving.kvpilot.dev/simulated"] == "true"
+    assert "--simulate" in container["args"]
+    url = f"http://{pod['status']['podIP']}:8000"
+    r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "model": "llama-3.1-8b", "prompt": "Hello from a simulated GPU", "max_tokens": 20, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 20 and r.json()["choices"][0]["text"]
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    assert 'kvpilot:simulated_info{accelerator="h100-80gb",model="llama-3.1-8b"' in text
+    kv = _metric(text, "kvpilot:kv_cache_bytes")
+    assert 50 * 2**30 < kv < 60 * 2**30  # 80 GB x 0.9 - 15 GiB of weights - reserve
+    rss = _metric(text, "process_resident_memory_bytes")
+    print(f"\nsimulated H100 pod (Llama-3.1-8B): RSS {rss / 2**20:.0f} MiB, KV cache {kv / 2**30:.1f} GiB")
+    assert rss < MAX_SIMULATED_RSS
+
+
+def test_the_demo_story_on_its_fast_path(cluster, tuned_operator, tmp_path):
+    story = Story(cluster, FAST, tmp_path)
+    try:
+        result = story.run()
+    finally:
+        story.stop()
+        story.delete()
+    print("\n" + "\n".join(result.summary))
+    assert result.fixed, "\n".join(result.summary)
+    raises = [c for c in result.changes if "maxNumSeqs" in c.change]
+    assert raises and all(b > a for a, b in (c.change["maxNumSeqs"] for c in raises))
+    assert result.after["req_per_s"] > 2 * result.before["req_per_s"]
+    assert result.real_answer  # the real engine answered too
+    assert result.png.exists()
