@@ -187,7 +187,8 @@ def test_prometheus_scrapes_the_engine_pods(cluster, operator, demo, wait_for):
 
 def test_kubectl_get_llmd_columns(cluster, operator, demo):
     out = cluster.kubectl("get", "llmd", "-n", demo).stdout.splitlines()
-    assert out[0].split() == ["NAME", "READY", "REPLICAS", "MAXNUMSEQS", "MAXMODELLEN", "KV%", "MODE", "AGE"]
+    assert out[0].split() == ["NAME", "READY", "REPLICAS", "MAXNUMSEQS", "MAXMODELLEN", "KV%", "MODE", "SIMULATED",
+                              "AGE"]
     row = out[1].split()
     assert row[:5] == ["tiny", "True", "1", "16", "512"] and "Recommend" in row[5:7]  # KV% empty: no Prometheus data
 

@@ -43,7 +43,7 @@ def load_executor(config: EngineConfig, clock) -> tuple[Executor, Tokenizer]:
 def _prompt_seed(prompt_ids: list[int], engine_seed: int) -> int:
     """A seed for an unseeded request, fixed by its prompt (the simulator's tokens)."""
     digest = hashlib.blake2b(array("q", prompt_ids).tobytes(), digest_size=8,
-                             key=engine_seed.to_bytes(8, "little", signed=True)).digest()
+                             key=(engine_seed & (2**64 - 1)).to_bytes(8, "little")).digest()
     return int.from_bytes(digest, "little") >> 1
 
 

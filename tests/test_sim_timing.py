@@ -103,6 +103,14 @@ def test_unknown_presets_and_bad_configs_are_clear_errors(tmp_path):
     cfg.write_text(json.dumps({**MODELS["llama-3.1-8b"], "num_key_value_heads": 5}))
     with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
         resolve_model_shape(str(tmp_path))
+    cfg.write_text(json.dumps({**MODELS["mistral-7b"], "sliding_window": 4096}))
+    with pytest.raises(ValueError, match="sliding_window=4096"):
+        resolve_model_shape(str(cfg))
+    cfg.write_text(json.dumps({**MODELS["mistral-7b"], "sliding_window": 4096, "use_sliding_window": False}))
+    assert resolve_model_shape(str(cfg)).num_layers == 32  # Qwen2-style: declared but off
+    cfg.write_text(json.dumps({**MODELS["mistral-7b"], "num_local_experts": 8}))
+    with pytest.raises(ValueError, match="mixture of experts"):
+        resolve_model_shape(str(cfg))
     acc = tmp_path / "acc.json"
     acc.write_text(json.dumps({"name": "x", "memory_bytes": 1, "bandwidth": 1}))
     with pytest.raises(ValueError, match=r"missing accelerator field\(s\) \['flops'\]"):
