@@ -52,6 +52,8 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys):
         (["sim", "run", "--simulate", "l4", "--simulate-model", "llama-3.1-8b", "--max-model-len", "2048",
           "--phase", "rate=2"], "needs duration="),
         (["serve", "--model", "builtin:tiny", "--cpu-threads", "0"], "cpu_threads must be"),
+        (["sim", "run", "--simulate", "l4", "--simulate-model", "llama-3.1-8b", "--max-model-len", "2048",
+          "--phase", "duration=10 rate=0"], "generate no requests"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv

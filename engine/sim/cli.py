@@ -46,6 +46,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     fleet = Fleet(config, replicas=args.replicas, router=args.router,
                   scrape_interval=args.scrape_interval, max_concurrency=args.max_concurrency)
     trace = _trace(args, fleet.replicas[0].engine.max_model_len)
+    if not trace:
+        raise ValueError("phase: the phases generate no requests (every rate is 0 or too low for the duration)")
     horizon = max(r.arrival for r in trace)
     started = time.perf_counter()
     fleet.submit(trace)

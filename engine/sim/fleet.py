@@ -164,10 +164,12 @@ class Fleet:
         active[-1].draining = True
 
     def set_limits(self, **limits: int | None) -> None:
-        """Live max_num_seqs / max_model_len on every replica (ValueError leaves them)."""
-        self.config = replace(self.config, **{k: v for k, v in limits.items() if v is not None})
+        """Live max_num_seqs / max_model_len on every replica (ValueError leaves them: the
+        replicas share one model, so the first refuses before any changes)."""
+        config = replace(self.config, **{k: v for k, v in limits.items() if v is not None})
         for r in self.replicas:
             r.engine.update_limits(**limits)
+        self.config = config  # replicas added later start with these
 
     @property
     def num_replicas(self) -> int:
