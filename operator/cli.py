@@ -22,6 +22,10 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("crd", help="print the LLMDeployment CRD (YAML)")
     p.set_defaults(func=_cmd_crd)
 
+    from .autotune import simulate_cli
+
+    simulate_cli.add_parser(subparsers)
+
 
 def _cmd_crd(args: argparse.Namespace) -> int:
     from .crd import crd_yaml

@@ -521,3 +521,18 @@ def test_right_after_a_raise_the_cap_still_binds_at_the_old_width():
     later = run(sched(replace(cur, max_num_seqs=24), t=T0 + 200, num_running=18.0),
                 cur=replace(cur, max_num_seqs=24), history=applied(raised))
     assert later.diagnosis is Diagnosis.HARDWARE_BOUND  # a whole window at 24 with 18 running: not the cap
+
+
+def test_a_raise_that_lifted_throughput_is_kept_though_the_backlog_grew():
+    # An open-loop overload: the queue keeps growing after the raise, yet output rose 40 %.
+    # Judging by the number waiting alone would revert the very change that helps.
+    cur = replace(CUR, max_num_seqs=16)
+    raised = run(sched(cur, generation_tokens_per_s=1000.0), cur=cur)
+    assert raised.throughput_baseline == 1000.0
+    after = sched(replace(cur, max_num_seqs=24), t=T0 + 200, num_waiting=30.0, generation_tokens_per_s=1400.0)
+    d = run(after, cur=replace(cur, max_num_seqs=24), history=applied(raised))
+    assert d.action is not Action.REVERT and d.verified is True
+    assert "more load, not the change" in d.reason
+    flat = sched(replace(cur, max_num_seqs=24), t=T0 + 200, num_waiting=30.0, generation_tokens_per_s=1050.0)
+    d = run(flat, cur=replace(cur, max_num_seqs=24), history=applied(raised))
+    assert d.action is Action.REVERT  # no gain: the longer queue is the change's

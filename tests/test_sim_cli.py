@@ -59,3 +59,21 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (argv, err)
+
+
+def test_autotune_simulate_decides_in_virtual_time(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    code = main(["autotune", "simulate", "--simulate", "h100-80gb", "--simulate-model", "llama-3.1-8b",
+                 "--max-model-len", "8192", "--max-num-seqs", "8", "--max-num-batched-tokens", "8192",
+                 "--phase", "duration=120 rate=10 input=uniform:200:2000 output=uniform:100:400",
+                 "--interval", "10s", "--window", "20s", "--cooldown", "20s", "--max-num-seqs-bounds", "4:256",
+                 "--max-model-len-bounds", "1024:8192", "--scrape-interval", "5", "--save-result", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert "SchedulerBound  change max_num_seqs 8->12" in text and "Autotuner changes applied:" in text
+    result = json.loads(out.read_text())
+    raises = [d["change"]["max_num_seqs"] for d in result["decisions"] if d["applied"]]
+    assert raises and all(b > a for a, b in raises)
+    assert main(["autotune", "simulate", "--simulate", "l4", "--simulate-model", "llama-3.1-8b",
+                 "--max-model-len", "2048", "--phase", "duration=10 rate=1", "--replicas-bounds", "3:1"]) == 2
+    assert "replicas_bounds takes MIN:MAX" in capsys.readouterr().err

@@ -15,7 +15,7 @@ import sys
 import time
 
 
-def _add_workload(p: argparse.ArgumentParser) -> None:
+def add_workload_args(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     src = w.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", default=None, help="a JSONL trace (arrival, prompt_len, output_len, ...)")
@@ -25,7 +25,7 @@ def _add_workload(p: argparse.ArgumentParser) -> None:
     w.add_argument("--trace-seed", type=int, default=0, help="the trace generator's seed")
 
 
-def _trace(args, max_len: int | None):
+def trace_from_args(args, max_len: int | None):
     from .trace import Phase, generate, read_trace
 
     if args.trace:
@@ -45,7 +45,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     goodput = parse_goodput(args.goodput)
     fleet = Fleet(config, replicas=args.replicas, router=args.router,
                   scrape_interval=args.scrape_interval, max_concurrency=args.max_concurrency)
-    trace = _trace(args, fleet.replicas[0].engine.max_model_len)
+    trace = trace_from_args(args, fleet.replicas[0].engine.max_model_len)
     if not trace:
         raise ValueError("phase: the phases generate no requests (every rate is 0 or too low for the duration)")
     horizon = max(r.arrival for r in trace)
@@ -69,27 +69,32 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         print_sim_result(result)
         print(f"{'Simulated / wall time (s):':<40} {result['duration']:.0f} / {wall:.1f}")
-    if args.save_result:
+    write_run_outputs(fleet, result, args, f"{result['accelerator']} x{result['replicas']}, "
+                                           f"{config.simulate.model}, {result['completed']} requests")
+    return 0 if result["completed"] else 1
+
+
+def write_run_outputs(fleet, result: dict, args: argparse.Namespace, title: str) -> None:
+    """--save-result, --plot and --save-scrapes, where the command has them."""
+    if getattr(args, "save_result", None):
         with open(args.save_result, "w") as f:
             json.dump(result, f, indent=2)
-    if args.plot:
+    if getattr(args, "plot", None):
         from .report import plot_scrapes
 
-        plot_scrapes(fleet, args.plot, f"{result['accelerator']} x{result['replicas']}, "
-                                       f"{config.simulate.model}, {result['completed']} requests")
+        plot_scrapes(fleet, args.plot, title)
         print(f"plot: {args.plot}")
-    if args.save_scrapes:
+    if getattr(args, "save_scrapes", None):
         with open(args.save_scrapes, "w") as f:
             for sc in fleet.scrapes:
                 f.write(json.dumps({"time": sc.time, "replica": sc.replica, "samples": [
                     [s.name, s.labels, s.value] for s in sc.samples]}) + "\n")
-    return 0 if result["completed"] else 1
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
     from .trace import write_trace
 
-    n = write_trace(args.out, _trace(args, args.max_len))
+    n = write_trace(args.out, trace_from_args(args, args.max_len))
     print(f"wrote {n} requests to {args.out}")
     return 0
 
@@ -261,7 +266,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run a trace through simulated replicas in virtual time")
     add_engine_args(p)
-    _add_workload(p)
+    add_workload_args(p)
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--router", default="round-robin", choices=("round-robin", "least-loaded"))
     p.add_argument("--max-concurrency", type=int, default=None,
@@ -280,7 +285,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("trace", help="write a generated trace as JSONL")
-    _add_workload(p)
+    add_workload_args(p)
     p.add_argument("--out", required=True)
     p.add_argument("--max-len", type=int, default=None, help="clip prompt + output to this many tokens")
     p.set_defaults(func=_cmd_trace)

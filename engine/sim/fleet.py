@@ -118,7 +118,8 @@ class Fleet:
     """Replicas of one engine configuration behind a router, on one virtual timeline."""
 
     def __init__(self, config: EngineConfig, replicas: int = 1, router: str = "round-robin",
-                 scrape_interval: float | None = None, max_concurrency: int | None = None) -> None:
+                 scrape_interval: float | None = None, max_concurrency: int | None = None,
+                 on_scrape: Callable[[Scrape], None] | None = None, keep_scrapes: bool = True) -> None:
         if config.simulate is None:
             raise ValueError("the fleet simulator needs a simulated accelerator (simulate=...)")
         if router not in ROUTERS:
@@ -143,7 +144,9 @@ class Fleet:
         self.vocab = self.replicas[0].engine.runner.tokens.low, self.replicas[0].engine.runner.vocab_size
         self.scrape_interval = scrape_interval
         self.scrapes: list[Scrape] = []
+        self.on_scrape, self.keep_scrapes = on_scrape, keep_scrapes
         self._next_scrape = 0.0 if scrape_interval else None
+        self._starting: list[float] = []  # when replicas being added become ready
         self.finished: list[SimRequest] = []
         self._rr = 0
         self._pending: list[TraceRequest] = []
@@ -151,13 +154,23 @@ class Fleet:
         self._sims: list[SimRequest] = []
 
     # --- control (the autotuner's levers) -------------------------------------------------
-    def add_replica(self) -> Replica:
+    def add_replica(self, ready_in: float = 0.0) -> Replica | None:
+        """A replica now, or (ready_in > 0) one that joins the router that much later, as
+        a pod does once it has started and loaded its model."""
+        if ready_in > 0:
+            heapq.heappush(self._starting, self.now + ready_in)
+            return None
         r = Replica(next(self._ids), self.config, self.now)
         self.replicas.append(r)
         return r
 
     def remove_replica(self) -> None:
-        """Stop routing to the newest replica; it finishes what it holds, then retires."""
+        """Cancel the replica started last, if one is still starting; else stop routing to
+        the newest replica, which finishes what it holds and then retires."""
+        if self._starting:
+            self._starting.remove(max(self._starting))
+            heapq.heapify(self._starting)
+            return
         active = [r for r in self.replicas if not r.draining]
         if len(active) <= 1:
             raise ValueError("cannot remove the last replica")
@@ -173,7 +186,8 @@ class Fleet:
 
     @property
     def num_replicas(self) -> int:
-        return sum(1 for r in self.replicas if not r.draining)
+        """Replicas serving or starting (what a Deployment's spec.replicas would say)."""
+        return sum(1 for r in self.replicas if not r.draining) + len(self._starting)
 
     # --- running ------------------------------------------------------------------------
     def submit(self, requests: Iterable[TraceRequest]) -> None:
@@ -195,11 +209,15 @@ class Fleet:
             work = [t for t in (arrival, step_at) if t is not None]
             if not work and math.isinf(t_end):
                 break
-            t = min(work + ([self._next_scrape] if self._next_scrape is not None else []), default=t_end)
+            timers = [x for x in (self._next_scrape, self._starting[0] if self._starting else None) if x is not None]
+            t = min(work + timers, default=t_end)
             if t >= t_end:
                 break
             self.now = max(self.now, t)
-            if self._next_scrape is not None and t == self._next_scrape:
+            if self._starting and t == self._starting[0]:
+                heapq.heappop(self._starting)
+                self.add_replica()
+            elif self._next_scrape is not None and t == self._next_scrape:
                 self._scrape(t)
             elif arrival is not None and t == arrival:
                 if self._slots is not None:
@@ -254,7 +272,11 @@ class Fleet:
 
     def _scrape(self, t: float) -> None:
         for r in self.replicas:
-            self.scrapes.append(Scrape(t, r.index, r.metrics.samples()))
+            sc = Scrape(t, r.index, r.metrics.samples())
+            if self.keep_scrapes:
+                self.scrapes.append(sc)
+            if self.on_scrape is not None:
+                self.on_scrape(sc)
         self._next_scrape = t + self.scrape_interval
 
     def _retire(self) -> None:

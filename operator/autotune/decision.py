@@ -130,6 +130,9 @@ class Thresholds:
     # A max_num_seqs / max_model_len change made for preemption or queueing is also
     # reverted when output tokens/s fell by more than this fraction (it cost throughput).
     throughput_drop_rel: float = 0.15
+    # A change whose target signal got worse is kept when output tokens/s rose by more than
+    # this with requests still waiting: under an overload the queue grows whatever is done.
+    throughput_gain_rel: float = 0.10
     # Diagnose-only warning: prefix-cache hit rate below this while prompts share a prefix.
     prefix_hit_low: float = 0.2
 

@@ -36,9 +36,13 @@ def judge_last_change(s: Snapshot, cur: Settings, bounds: Bounds, history: Histo
                             f"a full window after it{after} in {wait:.0f}s")
     value = signal(s, d.target)
     judged = f"{d.target} {fmt(d.target, d.baseline)} -> {fmt(d.target, value)} after {fmt_change(d.change)}"
-    problems = []
+    problems, notes = [], []
     if value > d.baseline * (1 + t.worse_rel) + t.worse_abs.get(d.target, 0.0):
-        problems.append(f"{judged} got worse")
+        gained = _throughput_gained(s, d.throughput_baseline, t)
+        if gained:  # an open-loop overload: the backlog grows whatever the setting does
+            notes.append(f"{judged}, but {gained}: more load, not the change")
+        else:
+            problems.append(f"{judged} got worse")
     lost = _throughput_lost(s, d.throughput_baseline, t)
     if lost:
         problems.append(f"{lost} after {fmt_change(d.change)}")
@@ -56,7 +60,7 @@ def judge_last_change(s: Snapshot, cur: Settings, bounds: Bounds, history: Histo
     verified = (not problems) if still_in else None
     if problems:
         return Verdict(d.time, verified, note=f"verification: {'; '.join(problems)} (not reverted)")
-    return Verdict(d.time, verified, note=f"verified: {judged}" if verified else "")
+    return Verdict(d.time, verified, note=f"verified: {notes[0] if notes else judged}" if verified else "")
 
 
 def settle_time(s: Snapshot) -> float:
@@ -86,6 +90,15 @@ def _throughput_lost(s: Snapshot, baseline: float | None, t: Thresholds) -> str 
     drop = 1 - s.generation_tokens_per_s / baseline
     return (f"output fell {baseline:.0f} -> {s.generation_tokens_per_s:.0f} tokens/s (-{drop:.0%}, "
             f"more than {t.throughput_drop_rel:.0%}) with requests still waiting")
+
+
+def _throughput_gained(s: Snapshot, baseline: float | None, t: Thresholds) -> str | None:
+    """Output tokens/s rose by more than throughput_gain_rel while requests still wait."""
+    if baseline is None or s.generation_tokens_per_s is None or s.num_waiting < t.waiting_exit:
+        return None
+    if s.generation_tokens_per_s <= baseline * (1 + t.throughput_gain_rel):
+        return None
+    return f"output rose {baseline:.0f} -> {s.generation_tokens_per_s:.0f} tokens/s with requests waiting"
 
 
 def _preempting(s: Snapshot, t: Thresholds) -> bool:
