@@ -10,11 +10,12 @@ from dataclasses import MISSING, fields
 
 
 def _scalar(tp) -> type:
-    """The argparse type of a field annotation: the first of float/int/str it allows."""
+    """The argparse type of a field annotation: its one scalar type, or str for a union of
+    several (such as int | str, a byte quantity the dataclass parses)."""
     args = typing.get_args(tp) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else (tp,)
     args = [a for a in args if a is not type(None)]
     if len(args) > 1:
-        return str  # e.g. int | str (a byte quantity): parsed by the dataclass
+        return str
     return args[0] if args and args[0] in (int, float, str, bool) else str
 
 
