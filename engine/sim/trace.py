@@ -13,7 +13,7 @@ import json
 import math
 import random
 from array import array
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
