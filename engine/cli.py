@@ -12,6 +12,7 @@ from .flags import add_dataclass_flags, dataclass_from_args
 from .sim.config import SimulationConfig
 
 SIMULATE_PREFIX = "simulate_"
+COMMANDS_GROUP = "kvpilot.commands"  # entry points: add_parser(subparsers) of more commands
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -133,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     # Each module registers its own parser and imports its heavy dependencies only
-    # when its command runs.
-    from kvpilot.operator import cli as operator_cli
+    # when its command runs. Commands of other kvpilot packages (the operator's) come in
+    # as entry points of the group "kvpilot.commands", so the engine never names them.
+    from importlib.metadata import entry_points
 
     from . import bench_serve, bench_throughput
     from .server import cli as server_cli
@@ -144,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_parser(bench)
     server_cli.add_parser(sub)
     sim_cli.add_parser(sub)
-    operator_cli.add_parser(sub)
+    for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        ep.load()(sub)
     return parser
 
 

@@ -79,10 +79,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, tuning_file: str | 
         engine.start()
         watcher_task = None
         if tuning_file:
-            eng = engine.engine
             watcher = TuningWatcher(
                 tuning_file, apply=engine.update_limits,
-                current=lambda: {"max_num_seqs": eng.max_num_seqs, "max_model_len": eng.max_model_len},
+                current=lambda: {"max_num_seqs": engine.max_num_seqs, "max_model_len": engine.max_model_len},
             )
             await watcher.check()  # values the operator already wrote apply before serving
             watcher_task = asyncio.create_task(watcher.run())
@@ -114,8 +113,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, tuning_file: str | 
         return {"object": "list", "data": [{
             "id": settings.served_model_name, "object": "model", "created": now_s(),
             "owned_by": "kvpilot", "root": settings.model_path, "parent": None,
-            "max_model_len": engine.engine.max_model_len,
-            "vocab_size": engine.engine.tokenizer.vocab_size,  # kvpilot extension (bench serve)
+            "max_model_len": engine.max_model_len,
+            "vocab_size": engine.tokenizer.vocab_size,  # kvpilot extension (bench serve)
         }]}
 
     @app.get("/health")
@@ -136,20 +135,20 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, tuning_file: str | 
     async def tokenize(request: Request):
         body = await parse_body(request, TokenizeRequest)
         check_model(body.model, settings)
-        tok = engine.engine.tokenizer
+        tok = engine.tokenizer
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
             ids = render_chat_prompt(tok, body.messages, body.add_generation_prompt)
         else:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"count": len(ids), "max_model_len": engine.engine.max_model_len, "tokens": ids}
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         body = await parse_body(request, DetokenizeRequest)
         check_model(body.model, settings)
-        tok = engine.engine.tokenizer
+        tok = engine.tokenizer
         bad = [t for t in body.tokens if not 0 <= t < tok.vocab_size]
         if bad:
             raise APIError(400, f"token ids must be in [0, {tok.vocab_size}), got {bad[0]}",

@@ -149,6 +149,26 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
 
+    # --- what the server reads of the engine --------------------------------------------
+    # The one door: the tokenizer is fixed at start-up (and thread-safe), and the live
+    # limits are plain ints the engine thread swaps whole, so reading them from the event
+    # loop needs no command round trip.
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.max_num_seqs
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The engine's own length check (ValueError naming both numbers), before queueing."""
+        return self.engine.resolve_max_tokens(num_prompt_tokens, params)
+
     @property
     def num_active(self) -> int:
         """Requests admitted by the server and not yet released by their handler."""

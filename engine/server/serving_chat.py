@@ -45,7 +45,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  state: ServerState) -> Response:
     arrival = time.monotonic()
     model = check_model(body.model, state.settings)
-    tokenizer = state.engine.engine.tokenizer
+    tokenizer = state.engine.tokenizer
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")

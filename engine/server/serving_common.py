@@ -78,7 +78,7 @@ def check_length(state: ServerState, num_prompt_tokens: int, params: SamplingPar
                  max_tokens_field: str = "max_tokens") -> None:
     """Refuse a request that cannot fit before it is queued (the engine checks again)."""
     try:
-        state.engine.engine.resolve_max_tokens(num_prompt_tokens, params)
+        state.engine.resolve_max_tokens(num_prompt_tokens, params)
     except ValueError as exc:
         state.engine.metrics.length_refusals.inc()
         param = max_tokens_field if params.max_tokens is not None else "prompt"

@@ -63,8 +63,7 @@ class _LogprobRenderer:
 async def create_completion(body: CompletionRequest, request: Request, state: ServerState) -> Response:
     arrival = time.monotonic()
     model = check_model(body.model, state.settings)
-    engine = state.engine.engine
-    tokenizer = engine.tokenizer
+    tokenizer = state.engine.tokenizer
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of is not supported (it must equal n)", param="best_of")
     if body.suffix:

@@ -12,7 +12,7 @@ from ..scheduler import SchedulerOutput
 from ..tokenizer import Tokenizer
 from .hardware import Accelerator, resolve_accelerator
 from .shapes import ModelShape, resolve_model_shape
-from .timing import QUERY_TILE, BatchShape, MemoryPlan, plan_memory, step_time
+from .timing import BatchShape, MemoryPlan, plan_memory, step_time
 from .tokenizer import simulated_tokenizer
 from .tokens import TokenSource
 
@@ -87,22 +87,14 @@ class SimulatedExecutor:
         return None  # tokens are a function of the request's seed and position
 
     def run(self, out: SchedulerOutput) -> StepResult:
-        sampled = []
-        tokens = pairs = reads = 0
-        for item in out.scheduled:  # BatchShape.of, inlined: this runs per sequence per step
-            req, new = item.request, item.num_new_tokens
-            start = req.num_computed_tokens
-            tokens += new
-            if new == 1:
-                pairs += start + 1
-                reads += start + 1
-            else:
-                pairs += new * start + new * (new + 1) // 2
-                reads += (start + new) * -(-new // QUERY_TILE)
-            if start + new == len(req.prompt_token_ids) + len(req.output_token_ids):
+        shape, sampled = [], []
+        for item in out.scheduled:
+            req = item.request
+            end = req.num_computed_tokens + item.num_new_tokens
+            shape.append((item.num_new_tokens, end))
+            if end == len(req.prompt_token_ids) + len(req.output_token_ids):
                 sampled.append(req)
-        batch = BatchShape(len(out.scheduled), tokens, len(sampled), pairs, reads)
-        duration = step_time(self.model, self.accelerator, batch)
+        duration = step_time(self.model, self.accelerator, BatchShape.of(shape, len(sampled)))
         self.busy_s += duration
         self.num_steps += 1
         # A busy engine's steps follow each other on the modelled timeline: the host work in

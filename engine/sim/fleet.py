@@ -92,14 +92,23 @@ class Replica:
         params = SamplingParams(max_tokens=req.output_len, ignore_eos=req.ignore_eos,
                                 temperature=0.0, detokenize=False, output_kind="final_only")
         try:
+            # As the server does: the length check first (a refusal the autotuner reads),
+            # then the engine's own validation.
+            self.engine.resolve_max_tokens(req.prompt_len, params)
+        except ValueError as exc:
+            self.metrics.length_refusals += 1
+            self._refuse(sim, str(exc), now)
+            return
+        try:
             self.engine.add_request(rid, req.token_ids(sim.index, vocab), params, arrival_time=now)
         except ValueError as exc:
-            sim.error = str(exc)
-            sim.finished, sim.finish_reason = now, "error"
-            if "max_model_len" in str(exc):
-                self.metrics.length_refusals += 1
+            self._refuse(sim, str(exc), now)
             return
         self.live[rid] = sim
+
+    @staticmethod
+    def _refuse(sim: SimRequest, error: str, now: float) -> None:
+        sim.error, sim.finished, sim.finish_reason = error, now, "error"
 
     def step(self, on_finished: Callable[[SimRequest], None]) -> None:
         # Only finished requests come back (output_kind final_only); the engine reports

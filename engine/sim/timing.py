@@ -42,11 +42,14 @@ class BatchShape:
     def of(cls, requests: list[tuple[int, int]], num_sampled: int | None = None) -> BatchShape:
         """From (new tokens, context length after the step) per sequence."""
         pairs = reads = tokens = 0
-        for new, end in requests:
-            start = end - new
+        for new, end in requests:  # per sequence per step in the simulator: keep it lean
             tokens += new
-            pairs += new * start + new * (new + 1) // 2
-            reads += end * -(-new // QUERY_TILE)
+            if new == 1:
+                pairs += end
+                reads += end
+            else:
+                pairs += new * (end - new) + new * (new + 1) // 2
+                reads += end * -(-new // QUERY_TILE)
         return cls(len(requests), tokens, len(requests) if num_sampled is None else num_sampled,
                    pairs, reads)
 

@@ -81,22 +81,26 @@ def throughput_baseline(s: Snapshot, t: Thresholds) -> float | None:
     return s.generation_tokens_per_s if s.num_waiting >= t.waiting_exit else None
 
 
-def _throughput_lost(s: Snapshot, baseline: float | None, t: Thresholds) -> str | None:
-    # Judged only while requests still wait: a drop with an empty queue is less load.
+def _throughput_ratio(s: Snapshot, baseline: float | None, t: Thresholds) -> float | None:
+    """Output tokens/s now over the baseline, judged only while requests still wait: with
+    an empty queue tokens/s follow the offered load, not the settings."""
     if baseline is None or s.generation_tokens_per_s is None or s.num_waiting < t.waiting_exit:
         return None
-    if s.generation_tokens_per_s >= baseline * (1 - t.throughput_drop_rel):
+    return s.generation_tokens_per_s / baseline
+
+
+def _throughput_lost(s: Snapshot, baseline: float | None, t: Thresholds) -> str | None:
+    ratio = _throughput_ratio(s, baseline, t)
+    if ratio is None or ratio >= 1 - t.throughput_drop_rel:
         return None
-    drop = 1 - s.generation_tokens_per_s / baseline
-    return (f"output fell {baseline:.0f} -> {s.generation_tokens_per_s:.0f} tokens/s (-{drop:.0%}, "
+    return (f"output fell {baseline:.0f} -> {s.generation_tokens_per_s:.0f} tokens/s (-{1 - ratio:.0%}, "
             f"more than {t.throughput_drop_rel:.0%}) with requests still waiting")
 
 
 def _throughput_gained(s: Snapshot, baseline: float | None, t: Thresholds) -> str | None:
     """Output tokens/s rose by more than throughput_gain_rel while requests still wait."""
-    if baseline is None or s.generation_tokens_per_s is None or s.num_waiting < t.waiting_exit:
-        return None
-    if s.generation_tokens_per_s <= baseline * (1 + t.throughput_gain_rel):
+    ratio = _throughput_ratio(s, baseline, t)
+    if ratio is None or ratio <= 1 + t.throughput_gain_rel:
         return None
     return f"output rose {baseline:.0f} -> {s.generation_tokens_per_s:.0f} tokens/s with requests waiting"
 
