@@ -31,8 +31,14 @@ test-fast: dev
 demo: dev
 	$(PY) e2e/demo.py
 
-# The headline benchmark: defaults vs best static (swept) vs Auto; writes results/.
+# The headline benchmark. First, in virtual time on a SIMULATED H100 (minutes): a day of
+# traffic with every contender (defaults, a static sweep, KEDA/WVA/HPA rules, Auto) and the
+# field guide's three failure cases. Then the real-time run on the local cluster (real
+# operator, real Prometheus, the tiny model's real engine pods). Writes results/.
+CONTEST := $(VENV)/bin/kvpilot autotune contest --out results
 autotune-bench: dev
+	$(CONTEST) --scenario day --sweep --sweep-seqs 128,256 --sweep-lens 32768
+	for s in preemption long-max-model-len scheduler-bound; do $(CONTEST) --scenario $$s || exit 1; done
 	$(PY) e2e/autotune_bench.py
 
 clean:

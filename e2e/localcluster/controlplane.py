@@ -17,6 +17,9 @@ CONTROLLERS = [
     "disruption-controller", "job-controller", "ttl-after-finished-controller",
     "pod-garbage-collector-controller", "clusterrole-aggregation-controller",
     "resourcequota-controller",
+    # Autoscalers (an HPA, or KEDA's ScaledObject through one) drive an LLMDeployment's scale
+    # subresource; kvpilot must leave replicas to them.
+    "horizontal-pod-autoscaler-controller",
 ]
 
 
@@ -76,6 +79,7 @@ def controller_manager_argv(bin: Path, pki: Pki, p: Ports, kubeconfig: Path, ser
         f"--service-cluster-ip-range={service_cidr}",
         f"--controllers={','.join(CONTROLLERS)}",
         "--concurrent-deployment-syncs=10", "--concurrent-replicaset-syncs=10",
+        "--horizontal-pod-autoscaler-sync-period=5s",
         "--profiling=false", "--v=1",
     ]
 

@@ -22,6 +22,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--phase", action="append", default=None, metavar="SPEC",
                      help='a phase of generated traffic, e.g. "duration=600 rate=4 input=uniform:128:1024 '
                           'output=lognormal:200:0.8 burstiness=1 prefix_len=0"; repeat for more phases')
+    src.add_argument("--scenario", default=None, metavar="NAME",
+                     help="a named, seeded scenario: day, preemption, long-max-model-len, scheduler-bound "
+                          "(kvpilot sim scenarios lists them)")
     w.add_argument("--trace-seed", type=int, default=0, help="the trace generator's seed")
 
 
@@ -30,6 +33,10 @@ def trace_from_args(args, max_len: int | None):
 
     if args.trace:
         return read_trace(args.trace)
+    if getattr(args, "scenario", None):
+        from .scenarios import scenario
+
+        return scenario(args.scenario).trace()
     return list(generate([Phase.parse(text) for text in args.phase], seed=args.trace_seed, max_len=max_len))
 
 
@@ -96,6 +103,21 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
     n = write_trace(args.out, trace_from_args(args, args.max_len))
     print(f"wrote {n} requests to {args.out}")
+    return 0
+
+
+def _cmd_scenarios(args: argparse.Namespace) -> int:
+    from .scenarios import SCENARIOS
+
+    for sc in SCENARIOS.values():
+        print(f"{sc.name}: {sc.summary}")
+        print(f"  {sc.accelerator} / {sc.model}; starts at max_num_seqs={sc.max_num_seqs} "
+              f"max_model_len={sc.max_model_len} max_num_batched_tokens={sc.max_num_batched_tokens} "
+              f"x{sc.replicas} (autoscalers up to {sc.max_replicas}); seed {sc.seed}")
+        for (name, start, end), ph, slo in zip(sc.boundaries(), sc.phases, sc.slos):
+            prefix = f" prefix {ph.prefix_len} x{ph.prefix_groups} on {ph.prefix_fraction:.0%}" if ph.prefix_len else ""
+            print(f"  {start:6.0f}-{end:<6.0f}s {name:<9} {ph.rate:g} req/s (burstiness {ph.burstiness:g}), "
+                  f"prompts {ph.input}, outputs {ph.output}{prefix}; {slo}")
     return 0
 
 
@@ -289,6 +311,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--max-len", type=int, default=None, help="clip prompt + output to this many tokens")
     p.set_defaults(func=_cmd_trace)
+
+    p = sub.add_parser("scenarios", help="list the named scenarios: phases, objectives, starting settings")
+    p.set_defaults(func=_cmd_scenarios)
 
     p = sub.add_parser("describe", help="the modelled KV capacity and step times of an accelerator")
     add_engine_args(p)

@@ -148,6 +148,9 @@ class Fleet:
         self.replicas: list[Replica] = []
         self.retired: list[Replica] = []
         self._ids = itertools.count()
+        self._starting: list[float] = []  # when replicas being added become ready
+        # (time, GPUs held from then on): serving, starting and draining replicas all hold one.
+        self.gpu_timeline: list[tuple[float, int]] = []
         for _ in range(replicas):
             self.add_replica()
         self.vocab = self.replicas[0].engine.runner.tokens.low, self.replicas[0].engine.runner.vocab_size
@@ -155,7 +158,6 @@ class Fleet:
         self.scrapes: list[Scrape] = []
         self.on_scrape, self.keep_scrapes = on_scrape, keep_scrapes
         self._next_scrape = 0.0 if scrape_interval else None
-        self._starting: list[float] = []  # when replicas being added become ready
         self.finished: list[SimRequest] = []
         self._rr = 0
         self._pending: list[TraceRequest] = []
@@ -168,9 +170,11 @@ class Fleet:
         a pod does once it has started and loaded its model."""
         if ready_in > 0:
             heapq.heappush(self._starting, self.now + ready_in)
+            self._record_gpus()
             return None
         r = Replica(next(self._ids), self.config, self.now)
         self.replicas.append(r)
+        self._record_gpus()
         return r
 
     def remove_replica(self) -> None:
@@ -179,11 +183,13 @@ class Fleet:
         if self._starting:
             self._starting.remove(max(self._starting))
             heapq.heapify(self._starting)
+            self._record_gpus()
             return
         active = [r for r in self.replicas if not r.draining]
         if len(active) <= 1:
             raise ValueError("cannot remove the last replica")
         active[-1].draining = True
+        self._retire()  # an idle one gives its GPU back at once
 
     def set_limits(self, **limits: int | None) -> None:
         """Live max_num_seqs / max_model_len on every replica (ValueError leaves them: the
@@ -192,6 +198,23 @@ class Fleet:
         for r in self.replicas:
             r.engine.update_limits(**limits)
         self.config = config  # replicas added later start with these
+
+    def _record_gpus(self) -> None:
+        n = len(self.replicas) + len(self._starting)
+        if self.gpu_timeline and self.gpu_timeline[-1][0] == self.now:
+            self.gpu_timeline[-1] = (self.now, n)
+        elif not self.gpu_timeline or self.gpu_timeline[-1][1] != n:
+            self.gpu_timeline.append((self.now, n))
+
+    def gpu_seconds(self, start: float, end: float) -> float:
+        """GPU-seconds held between start and end (a replica holds its GPU from the moment it
+        is asked for until it has drained, like a pod from scheduling to termination)."""
+        total = 0.0
+        for (t, n), nxt in zip(self.gpu_timeline, self.gpu_timeline[1:] + [(math.inf, 0)]):
+            lo, hi = max(t, start), min(nxt[0], end)
+            if hi > lo:
+                total += n * (hi - lo)
+        return total
 
     @property
     def num_replicas(self) -> int:
@@ -292,6 +315,7 @@ class Fleet:
         for r in [r for r in self.replicas if r.draining and not r.busy and not r.live]:
             self.replicas.remove(r)
             self.retired.append(r)
+            self._record_gpus()
 
     @property
     def requests(self) -> list[SimRequest]:

@@ -133,6 +133,11 @@ class Thresholds:
     # A change whose target signal got worse is kept when output tokens/s rose by more than
     # this with requests still waiting: under an overload the queue grows whatever is done.
     throughput_gain_rel: float = 0.10
+    # The deployment model (planner.py) sizes replicas and max_num_seqs where it can; a
+    # scale-in it plans waits for this many calm intervals.
+    planner: bool = False
+    scale_in_windows: int = 5
+    scale_out_cooldown_s: float = 15.0  # a planned scale-out may follow another after this
     # Diagnose-only warning: prefix-cache hit rate below this while prompts share a prefix.
     prefix_hit_low: float = 0.2
 
@@ -149,6 +154,7 @@ class Decision:
     throughput_baseline: float | None = None  # output tokens/s then, when the throughput guard applies
     verifies: float | None = None  # time of the earlier change this decision judged
     verified: bool | None = None  # that judgement: True kept, False got worse, None inconclusive
+    planned_replicas: int | None = None  # the deployment model's replica count this interval
 
     @property
     def changes_something(self) -> bool:

@@ -19,10 +19,28 @@ class HistoryEntry:
 
 
 @dataclass(frozen=True)
+class Observation:
+    """One window of steady load, per replica: the deployment model's data (planner.py)."""
+
+    time: float
+    running: float  # mean sequences running per replica
+    prompt_tokens_per_s: float  # prompt tokens processed per second per replica
+    tpot_s: float  # mean TPOT of the requests that finished in the window
+
+
+@dataclass(frozen=True)
 class History:
     entries: tuple[HistoryEntry, ...] = ()  # changes and reverts, oldest first
     diagnoses: tuple[tuple[float, Diagnosis], ...] = ()  # one per interval, oldest first
+    observations: tuple[Observation, ...] = ()  # oldest first
+    plans: tuple[tuple[float, int], ...] = ()  # (time, replicas the model planned), oldest first
     limit: int = 20
+    observation_limit: int = 40
+
+    def observe(self, obs: Observation | None) -> History:
+        if obs is None:
+            return self
+        return replace(self, observations=(self.observations + (obs,))[-self.observation_limit:])
 
     def record(self, decision: Decision, applied: bool) -> History:
         """This interval's decision added; `applied` says whether the caller applied its
@@ -37,7 +55,15 @@ class History:
         if decision.action is not Action.HOLD and decision.change:
             entries = entries + (HistoryEntry(decision, applied),)
         diagnoses = self.diagnoses + ((decision.time, decision.diagnosis),)
-        return replace(self, entries=entries[-self.limit:], diagnoses=diagnoses[-self.limit:])
+        plans = self.plans
+        if decision.planned_replicas is not None:
+            plans = (plans + ((decision.time, decision.planned_replicas),))[-self.limit:]
+        elif plans:
+            plans = ()  # the run of plans is broken: a scale-in waits for a fresh one
+        return replace(self, entries=entries[-self.limit:], diagnoses=diagnoses[-self.limit:], plans=plans)
+
+    def recent_plans(self, n: int) -> tuple[int, ...]:
+        return tuple(r for _, r in self.plans[-n:]) if n > 0 else ()
 
     def last_diagnosis(self) -> Diagnosis | None:
         return self.diagnoses[-1][1] if self.diagnoses else None

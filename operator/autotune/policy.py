@@ -22,6 +22,7 @@ import math
 from .capacity import CapacityPlan
 from .decision import Action, Bounds, Decision, Diagnosis, Settings, Thresholds
 from .history import History
+from .planner import fit, plan
 from .signals import Snapshot
 from .steps import (len_target, lower_seqs, lower_seqs_for_tpot, raise_seqs, round_up, seqs_ceiling,
                     tpot_blocks_raise)
@@ -30,6 +31,9 @@ from .verify import ago, fmt_change, judge_last_change, signal, throughput_basel
 DEFAULT_THRESHOLDS = Thresholds()
 _QUEUE_BOUND = (Diagnosis.SCHEDULER_BOUND, Diagnosis.KV_CACHE_BOUND, Diagnosis.HARDWARE_BOUND)
 _PRESSURE = _QUEUE_BOUND + (Diagnosis.PREEMPTION_BOUND, Diagnosis.TPOT_BOUND)
+# Where the fitted deployment model sizes replicas and batch width (planner.py); the other
+# diagnoses keep their rules (preemption, length refusals, a full cache, idle).
+_PLANNED = (Diagnosis.TPOT_BOUND, Diagnosis.SCHEDULER_BOUND, Diagnosis.HARDWARE_BOUND, Diagnosis.HEALTHY)
 
 
 def decide(
@@ -67,8 +71,9 @@ def decide(
     if verdict.note:
         evidence = f"{evidence}; {verdict.note}"
 
-    def hold(reason: str) -> Decision:
-        return Decision(now, diagnosis, Action.HOLD, reason, verifies=verifies, verified=verified)
+    def hold(reason: str, planned: int | None = None) -> Decision:
+        return Decision(now, diagnosis, Action.HOLD, reason, verifies=verifies, verified=verified,
+                        planned_replicas=planned)
 
     unconfirmed = [f"{k}={sorted(snapshot.reported(k))} (expected {getattr(current, k)})"
                    for k in ("max_num_seqs", "max_model_len")
@@ -76,7 +81,8 @@ def decide(
     if unconfirmed:
         return hold(f"{evidence}; waiting for the pods to report " + ", ".join(unconfirmed))
     last = history.last_applied()
-    if last is not None and now - last.decision.time < thresholds.cooldown_s:
+    if last is not None and now - last.decision.time < thresholds.cooldown_s and not _more_replicas(
+            diagnosis, snapshot, current, bounds, history, now, thresholds, last):
         left = thresholds.cooldown_s - (now - last.decision.time)
         return hold(f"{evidence}; cooldown after {fmt_change(last.decision.change)}: {left:.0f}s left")
     if diagnosis in _PRESSURE and snapshot.running_min is not None and snapshot.running_min < 0.5:
@@ -85,17 +91,23 @@ def decide(
         return hold(f"{evidence}; no request was running at some point in the window (load began "
                     f"or paused within it): waiting for a whole window of steady load")
 
-    proposal = _act(diagnosis, snapshot, current, bounds, history, now, capacity, thresholds)
+    proposal, planned = None, None
+    if diagnosis in _PLANNED:
+        proposal = _planned(diagnosis, snapshot, current, bounds, history, now, thresholds)
+        if proposal is not None:
+            proposal, planned = proposal[:4], proposal[4]
+    if proposal is None:
+        proposal = _act(diagnosis, snapshot, current, bounds, history, now, capacity, thresholds)
     if proposal is None:
         return hold(evidence)
     change, target, extra, diagnosis = proposal
     if not change:
-        return hold(f"{evidence}; {extra}")
+        return hold(f"{evidence}; {extra}", planned)
     guarded = target is not None and "replicas" not in change and target != "tpot_p95_s"
     return Decision(now, diagnosis, Action.CHANGE, f"{evidence}; {extra}", change=change,
                     target=target, baseline=signal(snapshot, target) if target else None,
                     throughput_baseline=throughput_baseline(snapshot, thresholds) if guarded else None,
-                    verifies=verifies, verified=verified)
+                    verifies=verifies, verified=verified, planned_replicas=planned)
 
 
 def prefix_cache_warning(snapshot: Snapshot, shared_prefix: bool,
@@ -242,6 +254,67 @@ def _act(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, histo
     if diagnosis is Diagnosis.HARDWARE_BOUND:
         return _scale_out(cur, bounds, history, s, t, "", diagnosis)
     return None
+
+
+def _more_replicas(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, history: History,
+                   now: float, t: Thresholds, last) -> bool:
+    """A planned scale-out may follow an earlier scale-out inside the cooldown once that one's
+    replicas had time to start: adding capacity is never reverted, so it needs no verifying
+    window, and a burst does not wait."""
+    if diagnosis not in _PRESSURE or "replicas" not in last.decision.change:
+        return False
+    old, new = last.decision.change["replicas"]
+    if new <= old or now - last.decision.time < t.scale_out_cooldown_s or not t.planner:
+        return False
+    model = fit(history, now)
+    p = plan(s, cur, bounds, model, t) if model is not None else None
+    return p is not None and p.replicas > cur.replicas
+
+
+def _planned(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, history: History,
+             now: float, t: Thresholds):
+    """The model's plan as a change, or None to fall back to the rules (no objective, no
+    fitted model, no demand). A scale-in waits until the last intervals were calm."""
+    if not t.planner:
+        return None
+    model = fit(history, now)
+    p = plan(s, cur, bounds, model, t) if model is not None else None
+    if p is None:
+        return None
+    change = {}
+    if p.replicas > cur.replicas:
+        change["replicas"] = (cur.replicas, p.replicas)
+    elif p.replicas < cur.replicas:
+        # Scale in only after scale_in_windows calm intervals that all planned fewer, and
+        # only as far as the highest of those plans (the HPA's stabilization, shortened).
+        calm = history.recent_diagnoses(t.scale_in_windows - 1)
+        earlier = history.recent_plans(t.scale_in_windows - 1)
+        if (len(calm) == len(earlier) == t.scale_in_windows - 1 and all(d not in _PRESSURE for d in calm)
+                and all(n < cur.replicas for n in earlier)):
+            change["replicas"] = (cur.replicas, max([p.replicas, *earlier]))
+    # The width moves only the way the diagnosis points: narrower for TPOT, wider when the
+    # cap binds; a healthy deployment keeps its batch (noise is no reason to move it), and
+    # a queue is the replica count's to fix (a narrower batch would only lengthen it: TTFT
+    # is half the objective too).
+    direction = (p.max_num_seqs > cur.max_num_seqs) - (p.max_num_seqs < cur.max_num_seqs)
+    serving = len(s.pods) or cur.replicas  # pods reporting: replicas still starting run nothing
+    at_cap = s.num_running / serving >= t.running_at_cap * _cap_in_window(s, cur, history)
+    queueing = (s.queue_time_p95_s or 0.0) >= t.queue_enter_s or s.num_waiting >= t.waiting_enter
+    wanted = {-1} if diagnosis is Diagnosis.TPOT_BOUND and not queueing else set()
+    if diagnosis in _PRESSURE and at_cap and queueing:
+        wanted.add(1)  # the cap holds back a queue the plan says the replicas can serve wider
+    if direction in wanted:
+        if not _blocked(history, "max_num_seqs", direction, now, t):
+            change["max_num_seqs"] = (cur.max_num_seqs, p.max_num_seqs)
+    if not change:
+        return {}, None, f"plan: hold ({p.reason})", diagnosis, p.replicas
+    # A width change alone is verified as the rules' are; one with replicas is not (a
+    # scale-out is never reverted, a scale-in has waited for calm plans already).
+    target = None
+    if "replicas" not in change:
+        target = "tpot_p95_s" if change["max_num_seqs"][1] < cur.max_num_seqs else "num_waiting"
+    what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in change.items())
+    return change, target, f"plan: {what} ({p.reason})", diagnosis, p.replicas
 
 
 def _scale_out(cur: Settings, bounds: Bounds, history: History, s: Snapshot, t: Thresholds,

@@ -13,6 +13,9 @@ config's relabelling) and aggregates over the pods:
 - running at the emptiest moment: each pod's min_over_time of vllm:num_requests_running,
   summed over pods; 0 says load began or paused within the window;
 - waiting / running: the sum over pods of each pod's mean over the window;
+- the deployment model's inputs (planner.py): the queue at the window's end, prompt
+  tokens/s (rate of vllm:prompt_tokens_total) and the mean per-request TPOT (rate of the
+  TPOT histogram's _sum over its _count);
 - request rate: sum of rate(vllm:e2e_request_latency_seconds_count) (finished requests),
   and their mean latency (rate of the _sum over rate of the _count);
 - request length p99 (prompt + generation): the sum of the 99.5th percentiles of the
@@ -68,6 +71,9 @@ SOURCES = {
     "prefix_hit_rate": "vllm:prefix_cache_queries_total",
     "kv_cache_bytes": "kvpilot:kv_cache_bytes",
     "kv_bytes_per_token": "kvpilot:kv_cache_bytes_per_token",
+    "num_waiting_now": "vllm:num_requests_waiting",
+    "prompt_tokens_per_s": "vllm:prompt_tokens_total",
+    "tpot_mean_s": "vllm:request_time_per_output_token_seconds_count",
 }
 # Second sources of two-metric signals (also checked).
 EXTRA_SOURCES = {"request_len_p99": "vllm:request_generation_tokens_bucket",
@@ -130,6 +136,10 @@ def build_queries(target: Target, window_s: float, refusal_metric: str = DEFAULT
         "length_refusals_per_s": rate(refusal_metric),
         "kv_cache_bytes": f"min(kvpilot:kv_cache_bytes{{{sel}}})",
         "kv_bytes_per_token": f"max(kvpilot:kv_cache_bytes_per_token{{{sel}}})",
+        "num_waiting_now": f"sum(vllm:num_requests_waiting{{{sel}}})",
+        "prompt_tokens_per_s": rate("vllm:prompt_tokens_total"),
+        "tpot_mean_s": (f"{rate('vllm:request_time_per_output_token_seconds_sum')} / "
+                        f"{rate('vllm:request_time_per_output_token_seconds_count')}"),
     }
 
 

@@ -7,7 +7,8 @@ rate, avg_over_time, max_over_time, min_over_time, timestamp; sum, avg, min, max
 `by (labels)`); histogram_quantile; binary + - * / between single-sample vectors or
 scalars. rate() extrapolates as Prometheus does (extrapolatedRate); histogram_quantile
 interpolates linearly inside the bucket, as Prometheus does. Instant selectors look
-back 5 minutes for the newest sample, as Prometheus does."""
+back 5 minutes for the newest sample, as Prometheus does, unless the series went stale
+(its pod stopped being scraped) before the evaluation time."""
 
 from __future__ import annotations
 
@@ -27,12 +28,18 @@ class Series:
     labels: dict[str, str]  # __name__ included
     times: list[float] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
+    # When the target stopped being scraped (a pod gone): Prometheus writes a staleness
+    # marker then, and from it on an instant selector no longer returns the series.
+    stale_at: float | None = None
 
     def add(self, t: float, v: float) -> None:
         if self.times and t <= self.times[-1]:
             raise ValueError("samples must be added in time order")
         self.times.append(t)
         self.values.append(v)
+
+    def live_at(self, t: float) -> bool:
+        return self.stale_at is None or t < self.stale_at
 
     def window(self, start: float, end: float) -> tuple[list[float], list[float]]:
         """Samples with start < t <= end (Prometheus's left-open range)."""
@@ -55,6 +62,12 @@ class TSDB:
             s = self.series[key] = Series({"__name__": name, **labels})
             self._by_name.setdefault(name, []).append(s)
         s.add(t, value)
+
+    def mark_stale(self, matchers: dict[str, str], t: float) -> None:
+        """Every series carrying these labels goes stale at t (its target disappeared)."""
+        for s in self.series.values():
+            if s.stale_at is None and all(s.labels.get(k) == v for k, v in matchers.items()):
+                s.stale_at = t
 
     def select(self, name: str, matchers: dict[str, str]) -> list[Series]:
         return [s for s in self._by_name.get(name, ()) if all(s.labels.get(k) == v for k, v in matchers.items())]
@@ -148,7 +161,7 @@ class Selector:
         out = []
         for s in db.select(self.name, self.matchers):
             ts, vs = s.window(at - LOOKBACK_S, at)
-            if ts:
+            if ts and s.live_at(at):
                 out.append((s.labels, vs[-1]))
         return out
 
@@ -175,7 +188,7 @@ class Call:
             out = []
             for s in db.select(inner.name, inner.matchers):
                 ts, _ = s.window(at - LOOKBACK_S, at)
-                if ts:
+                if ts and s.live_at(at):
                     out.append((_drop_name(s.labels), ts[-1]))
             return out
         sel = self.args[0]

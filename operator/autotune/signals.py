@@ -21,7 +21,8 @@ REQUIRED_SIGNALS = (
 OPTIONAL_SIGNALS = ("ttft_p95_s", "tpot_p95_s", "generation_tokens_per_s", "running_min",
                     "request_latency_mean_s",
                     "request_len_p99", "prefix_hit_rate", "length_refusals_per_s",
-                    "kv_cache_bytes", "kv_bytes_per_token")
+                    "kv_cache_bytes", "kv_bytes_per_token", "prompt_tokens_per_s", "tpot_mean_s",
+                    "num_waiting_now")
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ class Snapshot:
     running_min: float | None = None
     num_waiting: float | None = None
     num_running: float | None = None
+    num_waiting_now: float | None = None  # at the window's end (the backlog a plan must also drain)
+    prompt_tokens_per_s: float | None = None  # prompt tokens of finished requests per second
+    tpot_mean_s: float | None = None  # mean over the window's finished requests of each one's TPOT
     request_rate_per_s: float | None = None
     request_latency_mean_s: float | None = None  # mean end-to-end latency of the finished requests
     request_len_p99: float | None = None  # prompt + generation tokens

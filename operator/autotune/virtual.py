@@ -10,7 +10,7 @@ simulator's timing model: only what the pods export."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 from kvpilot.engine.sim.fleet import Fleet, Scrape
 from kvpilot.engine.sim.trace import TraceRequest
@@ -18,6 +18,7 @@ from kvpilot.engine.sim.trace import TraceRequest
 from .decision import Action, Bounds, Decision, Range, Settings, Thresholds
 from .history import History
 from .hook import capacity_plan
+from .planner import observation
 from .policy import decide
 from .prometheus import PrometheusReader
 from .promql_lite import TSDB
@@ -32,9 +33,20 @@ class VirtualPrometheus:
 
     def __init__(self) -> None:
         self.db = TSDB()
+        self._round: tuple[float, set[str]] = (-1.0, set())  # the scrape round being ingested
+        self._previous: set[str] = set()
 
     def ingest(self, scrape: Scrape) -> None:
-        base = {"namespace": NAMESPACE, LABEL: NAME, "pod": f"{NAME}-{scrape.replica}"}
+        pod = f"{NAME}-{scrape.replica}"
+        t, pods = self._round
+        if scrape.time > t:
+            # A new round: the previous one is complete, and a pod it lacked that the one
+            # before had is gone; its series go stale now, as Prometheus marks them.
+            for gone in self._previous - pods if t >= 0 else ():
+                self.db.mark_stale({"pod": gone}, scrape.time)
+            self._previous, self._round = pods, (scrape.time, set())
+        self._round[1].add(pod)
+        base = {"namespace": NAMESPACE, LABEL: NAME, "pod": pod}
         for s in scrape.samples:
             self.db.add(s.name, {**base, **s.labels}, scrape.time, s.value)
 
@@ -94,25 +106,60 @@ def apply(fleet: Fleet, decision: Decision, startup_s: float) -> None:
             fleet.remove_replica()
 
 
-def run_autotuned(fleet: Fleet, trace: list[TraceRequest], tune: AutotuneSettings,
-                  on_interval: Callable[[Interval], None] | None = None) -> list[Interval]:
-    """Run the trace to completion with the autotuner deciding every interval."""
+class Controller(Protocol):
+    """Anything that reads the fleet's Prometheus every `interval_s` and moves its levers:
+    kvpilot's autotuner, or a replica-only autoscaler (rivals.py)."""
+
+    name: str
+    interval_s: float
+
+    def tick(self, t: float, fleet: Fleet, prom: VirtualPrometheus) -> None: ...
+
+
+def drive(fleet: Fleet, trace: list[TraceRequest], controller: Controller | None,
+          interval_s: float | None = None) -> VirtualPrometheus:
+    """Run the trace to completion with `controller` ticking every interval (None: a
+    static run that still scrapes, so every contender is judged from the same data)."""
     if not fleet.scrape_interval:
-        raise ValueError("the fleet needs a scrape_interval for the autotuner to read it")
+        raise ValueError("the fleet needs a scrape_interval for a controller to read it")
     prom = VirtualPrometheus()
     fleet.on_scrape = prom.ingest
-    reader = PrometheusReader(prom, scrape_interval_s=fleet.scrape_interval, label=LABEL)
-    history = History()
-    intervals: list[Interval] = []
     fleet.submit(trace)
     last_arrival = max((r.arrival for r in trace), default=0.0)
-    t = tune.interval_s
+    step = controller.interval_s if controller is not None else (interval_s or 30.0)
+    t = step
     while True:
         fleet.run_until(t)
-        snap = reader.snapshot(NAMESPACE, NAME, tune.window_s, at=t)
+        if controller is not None:
+            controller.tick(t, fleet, prom)
+        if t >= last_arrival and not any(r.busy for r in fleet.replicas):
+            break
+        t += step
+    fleet.run(())
+    return prom
+
+
+class AutoController:
+    """kvpilot's autotuner: the operator's Prometheus reader, capacity plan and pure
+    policy, deciding every interval; in Auto mode its changes reach the fleet."""
+
+    name = "Auto"
+
+    def __init__(self, tune: AutotuneSettings, on_interval: Callable[[Interval], None] | None = None) -> None:
+        self.tune, self.interval_s, self.on_interval = tune, tune.interval_s, on_interval
+        self.history = History()
+        self.intervals: list[Interval] = []
+        self._reader: PrometheusReader | None = None
+
+    def tick(self, t: float, fleet: Fleet, prom: VirtualPrometheus) -> None:
+        if self._reader is None:
+            self._reader = PrometheusReader(prom, scrape_interval_s=fleet.scrape_interval, label=LABEL)
+        tune = self.tune
+        snap = self._reader.snapshot(NAMESPACE, NAME, tune.window_s, at=t)
         current = current_settings(fleet)
         plan = capacity_plan(snap, current)
-        decision = decide(snap, current, tune.bounds, history, t, capacity=plan, thresholds=tune.thresholds)
+        self.history = self.history.observe(observation(snap, current.replicas))
+        decision = decide(snap, current, tune.bounds, self.history, t, capacity=plan, thresholds=tune.thresholds)
         applied = tune.mode == "Auto" and decision.changes_something
         if applied:
             try:
@@ -120,18 +167,35 @@ def run_autotuned(fleet: Fleet, trace: list[TraceRequest], tune: AutotuneSetting
             except ValueError as exc:  # the engine refused a value: as a pod would, keep the old ones
                 applied = False
                 decision = Decision(t, decision.diagnosis, Action.HOLD, f"{decision.reason}; not applied: {exc}")
-        history = history.record(decision, applied)
+        self.history = self.history.record(decision, applied)
         iv = Interval(t, snap, decision, applied, *_effective(fleet))
-        intervals.append(iv)
-        if on_interval is not None:
-            on_interval(iv)
-        if t >= last_arrival and not any(r.busy for r in fleet.replicas):
-            break
-        t += tune.interval_s
-    fleet.run(())
-    return intervals
+        self.intervals.append(iv)
+        if self.on_interval is not None:
+            self.on_interval(iv)
+
+
+def run_autotuned(fleet: Fleet, trace: list[TraceRequest], tune: AutotuneSettings,
+                  on_interval: Callable[[Interval], None] | None = None) -> list[Interval]:
+    """Run the trace to completion with the autotuner deciding every interval."""
+    auto = AutoController(tune, on_interval)
+    drive(fleet, trace, auto)
+    return auto.intervals
 
 
 def _effective(fleet: Fleet) -> tuple[int, int, int]:
     s = current_settings(fleet)
     return s.max_num_seqs, s.max_model_len, s.replicas
+
+
+def set_replicas(fleet: Fleet, desired: int, startup_s: float) -> None:
+    """Scale the fleet to `desired` replicas, as a Deployment's spec.replicas would: new
+    ones start serving after startup_s; removed ones cancel a start or drain."""
+    for _ in range(max(desired - fleet.num_replicas, 0)):
+        fleet.add_replica(ready_in=startup_s)
+    for _ in range(max(fleet.num_replicas - desired, 0)):
+        fleet.remove_replica()
+
+
+def ready_pods(fleet: Fleet) -> set[str]:
+    """The pods a Service (and an HPA) would count: serving and not draining."""
+    return {f"{NAME}-{r.index}" for r in fleet.replicas if not r.draining}
