@@ -180,6 +180,11 @@ class AutotuneSpec(Model):
         default=False,
         description="Prompts share a prefix (a system prompt, a few-shot header): enables the "
                     "diagnose-only PrefixCacheIneffective warning when the prefix cache rarely hits.")
+    controller: Literal["Rules", "Model"] = Field(
+        default="Rules",
+        description="Rules: fixed-ratio steps per diagnosis. Model: replicas and maxNumSeqs sized "
+                    "from a model of this deployment fitted online to its own metrics (needs "
+                    "objectives.tpot); the safety rules stay around it.")
 
 
 class Toleration(Model):

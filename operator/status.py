@@ -86,6 +86,17 @@ class Snapshot(Model):
     stale: list[str] = Field(default_factory=list)
 
 
+class ModelMemory(Model):
+    """What autotune.controller Model keeps between passes: the windows it fitted on and
+    the replica counts it planned (a scale-in waits for a run of them)."""
+    fit: Optional[str] = Field(default=None, description="The fitted model, as a sentence.")
+    observations: list[list[float]] = Field(
+        default_factory=list, max_length=40,
+        description="[unix time, running per replica, prompt tokens/s per replica, mean TPOT s], oldest first.")
+    plans: list[list[float]] = Field(default_factory=list, max_length=20,
+                                     description="[unix time, planned replicas], oldest first.")
+
+
 class AutotuneStatus(Model):
     """The autotuner's report (kvpilot.operator.autotune.report.AutotuneStatus) plus
     the operator's own notes (message, recommendation)."""
@@ -99,6 +110,7 @@ class AutotuneStatus(Model):
     recent_diagnoses: list[Diagnosis] = Field(default_factory=list, max_length=100)
     capacity: Optional[Capacity] = None
     snapshot: Optional[Snapshot] = None
+    model: Optional[ModelMemory] = None
 
 
 class LLMDeploymentStatus(Model):

@@ -334,3 +334,35 @@ def test_tuning_applied_turns_to_pods_disagree_after_the_grace_and_warns_once():
     bare = autotune_step(ctx(spec_body(), status, kube=kube), reader_factory=FakeReader([snap(pods=())]),
                          now=T0 + 500)
     assert [c.reason for c in bare.conditions] == ["PodsDisagree"]
+
+
+def test_controller_model_keeps_its_memory_in_status_and_plans_replicas():
+    """autotune.controller Model: each pass adds its window to status.autotune.model, the
+    next pass fits on what status kept, and a TPOT-bound deployment gets replicas planned."""
+    kube = FakeKube()
+    body = {"metadata": {"name": "tiny", "namespace": "demo", "uid": "u", "generation": 1},
+            "spec": spec_body(seqs=64, seqs_range=(4, 64), controller="Model", objectives={"tpot": "50ms"}),
+            "status": {}}
+    loaded = dict(num_running=60.0, running_min=50.0, tpot_p95_s=0.08, tpot_mean_s=0.06,
+                  generation_tokens_per_s=1000.0, request_rate_per_s=5.0, prompt_tokens_per_s=2000.0,
+                  num_waiting_now=0.0)
+    snaps = {"s": snap(**loaded)}
+    reader = FakeReader([None])
+    reader.snapshot = lambda ns, name, w: snaps["s"]
+    hook = functools.partial(autotune_step, reader_factory=reader)
+
+    def run(now):
+        result = reconcile(kube, body, lambda c: hook(c, now=now))
+        body["status"] = result.status.dump()
+        return result.status
+
+    assert thresholds_for(parse_spec({"spec": body["spec"]})).planner
+    st = run(T0)
+    memory = body["status"]["autotune"]["model"]
+    assert len(memory["observations"]) == 1 and memory["observations"][0][1:] == [60.0, 2000.0, 0.06]
+    assert "TPOT ~=" in memory["fit"]
+    assert st.autotune.last_decision.change.get("replicas", [1, 1])[1] > 1
+    assert "plan:" in st.autotune.last_decision.reason
+    snaps["s"] = snap(t=T0 + 6, **loaded)
+    run(T0 + 6)
+    assert len(body["status"]["autotune"]["model"]["observations"]) == 2  # read back, then one more

@@ -72,10 +72,14 @@ def _virtual(trace: list[TraceRequest], accelerator) -> tuple[Fleet, list[tuple[
 
 
 def _safe(trace: list[TraceRequest], steps: list[tuple[float, float]]) -> int | None:
-    """The index of the first arrival too close to a step boundary, or None. An arrival
-    that starts a step itself (the replica was idle) is safe when the last step ended
-    more than the margin before it."""
+    """The index of the first arrival too close to a step boundary, or to the arrival
+    before it, or None. Two requests sent within the margin of each other reach a real
+    server in either order and may land in different steps: a race of the client, not a
+    property of the simulator. An arrival that starts a step itself (the replica was idle)
+    is safe when the last step ended more than the margin before it."""
     for i, r in enumerate(trace):
+        if i and r.arrival - trace[i - 1].arrival < MARGIN_S:
+            return i
         for start, end in steps:
             starts_here = start == r.arrival
             if starts_here:

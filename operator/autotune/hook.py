@@ -38,6 +38,7 @@ from ..status import AutotuneStatus, Condition, Effective
 from .capacity import CapacityPlan, plan_capacity
 from .decision import Action, Bounds, Decision, Diagnosis, Range, Settings, Thresholds
 from .history import History
+from .planner import observation
 from .policy import prefix_cache_warning, decide
 from .prometheus import PrometheusReader
 from .report import build_report, history_from_status
@@ -80,7 +81,8 @@ def default_reader(url: str) -> Reader:
 def thresholds_for(spec: LLMDeploymentSpec) -> Thresholds:
     tpot = spec.autotune.objectives.tpot
     return Thresholds(cooldown_s=parse_duration(spec.autotune.cooldown),
-                      tpot_objective_s=parse_duration(tpot) if tpot else None)
+                      tpot_objective_s=parse_duration(tpot) if tpot else None,
+                      planner=spec.autotune.controller == "Model")
 
 
 def bounds_for(spec: LLMDeploymentSpec) -> Bounds:
@@ -146,6 +148,7 @@ def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None 
                             f"no decision: reading Prometheus at {at.prometheus.url} failed: {e}")
     plan = capacity_plan(snap, current)
     if snap is not None:
+        history = history.observe(observation(snap, current.replicas))
         decision = decide(snap, current, bounds_for(spec), history, now, capacity=plan, thresholds=thresholds)
 
     auto = at.mode == "Auto"

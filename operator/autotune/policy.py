@@ -12,7 +12,9 @@ Order of business each interval:
 6. the rule for the diagnosis (how far each move goes: steps.py), in the order a person
    would diagnose: idle, preemption, length refusals, TPOT over the user's objective,
    then queueing split by what binds (the max_num_seqs cap, a long max_model_len, the
-   hardware).
+   hardware). With Thresholds.planner (autotune.controller Model) a fitted model of the
+   deployment (planner.py) sizes replicas and max_num_seqs for TPOT, scheduler, hardware
+   and healthy intervals instead of the fixed-ratio steps.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from pydantic.alias_generators import to_camel
 
 from .capacity import CapacityPlan
 from .decision import Action, Decision, Diagnosis
-from .history import History, HistoryEntry
+from .history import History, HistoryEntry, Observation
 from .signals import Snapshot
 
 _CAMEL = {"max_num_seqs": "maxNumSeqs", "max_model_len": "maxModelLen", "replicas": "replicas"}
@@ -66,6 +66,12 @@ class SnapshotStatus(_Model):
     stale: list[str] = Field(default_factory=list)
 
 
+class ModelStatus(_Model):
+    fit: Optional[str] = None
+    observations: list[list[float]] = Field(default_factory=list)
+    plans: list[list[float]] = Field(default_factory=list)
+
+
 class AutotuneStatus(_Model):
     diagnosis: str
     last_decision: DecisionStatus
@@ -73,6 +79,7 @@ class AutotuneStatus(_Model):
     recent_diagnoses: list[str] = Field(default_factory=list)  # one per interval, newest last
     capacity: Optional[dict] = None
     snapshot: Optional[SnapshotStatus] = None
+    model: Optional[ModelStatus] = None  # autotune.controller Model: its memory between passes
 
 
 def rfc3339(t: float) -> str:
@@ -126,7 +133,19 @@ def build_report(decision: Decision, history: History, snapshot: Snapshot | None
         recent_diagnoses=[d.value for _, d in history.diagnoses],
         capacity=capacity.to_status() if capacity else None,
         snapshot=snapshot_status(snapshot) if snapshot else None,
+        model=_model_status(history, decision.time) if history.observations or history.plans else None,
     )
+
+
+def _model_status(history: History, now: float) -> ModelStatus:
+    from .planner import fit
+
+    model = fit(history, now)
+    return ModelStatus(
+        fit=str(model) if model else None,
+        observations=[[o.time, round(o.running, 3), round(o.prompt_tokens_per_s, 1), round(o.tpot_s, 6)]
+                      for o in history.observations],
+        plans=[[t, n] for t, n in history.plans])
 
 
 def history_from_status(status: dict | None, limit: int = 20) -> History:
@@ -148,7 +167,12 @@ def history_from_status(status: dict | None, limit: int = 20) -> History:
     end = _parse_time(report.last_decision.time)
     n = len(report.recent_diagnoses)
     diagnoses = tuple((end - (n - 1 - i), Diagnosis(d)) for i, d in enumerate(report.recent_diagnoses))
-    return History(entries=tuple(entries)[-limit:], diagnoses=diagnoses[-limit:], limit=limit)
+    observations, plans = (), ()
+    if report.model is not None:
+        observations = tuple(Observation(*row[:4]) for row in report.model.observations if len(row) >= 4)
+        plans = tuple((row[0], int(row[1])) for row in report.model.plans if len(row) >= 2)
+    return History(entries=tuple(entries)[-limit:], diagnoses=diagnoses[-limit:], limit=limit,
+                   observations=observations, plans=plans)
 
 
 TABLE_HEADER = (f"{'time':<8} {'KV%':>5} {'preempt/s':>9} {'queue p95':>9} {'TTFT p95':>8} {'TPOT p95':>8} "
