@@ -4,6 +4,7 @@ and short virtual-time runs of the field guide's cases asserting the direction o
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -229,3 +230,28 @@ def test_scale_in_waits_for_calm_plans():
                  generation_tokens_per_s=800.0, request_rate_per_s=4.0, prompt_tokens_per_s=3200.0)
     first = _decide(calm, cur)
     assert "replicas" not in first.change and first.planned_replicas < 4
+
+
+# --- the command -----------------------------------------------------------------------
+
+def test_contest_command_prints_the_table_and_writes_json_and_pngs(tmp_path, capsys):
+    from kvpilot.engine.cli import main
+
+    code = main(["autotune", "contest", "--scenario", "scheduler-bound", "--time-scale", "0.1",
+                 "--workers", "1", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "SIMULATED accelerator" in out and "kvpilot Auto" in out and "Auto / defaults" in out
+    data = json.loads((tmp_path / "contest-scheduler-bound.json").read_text())
+    assert data["simulated"] and {r["kind"] for r in data["results"]} == {"static", "keda", "wva", "hpa-kv", "auto"}
+    assert len(list(tmp_path.glob("contest-scheduler-bound-*.png"))) == 5
+
+
+def test_contest_command_names_the_bad_flag(capsys):
+    from kvpilot.engine.cli import main
+
+    for argv, word in ((["--scenario", "nope"], "scenario"), (["--time-scale", "0"], "time_factor"),
+                       (["--sweep", "--sweep-seqs", "12x"], "sweep_seqs"), (["--workers", "0"], "workers")):
+        assert main(["autotune", "contest", *argv]) == 2, argv
+        assert word in capsys.readouterr().err
+    assert main(["sim", "run", "--scenario", "nope", "--simulate", "h100-80gb"]) == 2

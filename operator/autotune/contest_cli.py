@@ -116,6 +116,16 @@ def plot_timeline(r: dict, scen, path: Path, bin_s: float = 30.0) -> None:
     plt.close(fig)
 
 
+def _ints(text: str, name: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{name} takes comma-separated positive integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{name} takes comma-separated positive integers, got {text!r}")
+    return values
+
+
 def _cmd(args: argparse.Namespace) -> int:
     import logging
 
@@ -127,6 +137,8 @@ def _cmd(args: argparse.Namespace) -> int:
     from .contest import Contender, headline_contenders, run_many, sweep_grid
 
     scen = scenario(args.scenario)
+    if args.workers is not None and not 1 <= args.workers <= 64:
+        raise ValueError(f"workers must be in [1, 64], got {args.workers}")
     if args.time_scale != 1.0:
         scen = scen.scaled(args.time_scale)
     contenders = headline_contenders(scen)
@@ -134,9 +146,7 @@ def _cmd(args: argparse.Namespace) -> int:
         contenders.append(Contender("auto-rules", scen.max_num_seqs, scen.max_model_len, scen.replicas,
                                     label="kvpilot Auto (rules only)"))
     if args.sweep:
-        seqs = tuple(int(v) for v in args.sweep_seqs.split(","))
-        lens = tuple(int(v) for v in args.sweep_lens.split(","))
-        contenders += sweep_grid(scen, seqs, lens)
+        contenders += sweep_grid(scen, _ints(args.sweep_seqs, "sweep_seqs"), _ints(args.sweep_lens, "sweep_lens"))
     print(f"{SIM_LABEL}: {scen.accelerator} serving {scen.model}, scenario {scen.name} "
           f"({scen.duration / 60:.0f} min of virtual time), {len(contenders)} runs", flush=True)
     done = [0]
