@@ -93,11 +93,13 @@ def fit(history: History, now: float, ps: PlannerSettings = PlannerSettings()) -
     for o in obs:
         w = 0.5 ** ((now - o.time) / ps.half_life_s)
         row = [scale[0], o.running * scale[1], o.prompt_tokens_per_s * o.tpot_s * scale[2]]
-        norm = 1.0 / o.tpot_s  # relative error: a 5 ms miss at 10 ms matters more than at 100 ms
+        # Each row divided by its y, so the target is 1 and the error relative: a 5 ms miss
+        # at 10 ms matters more than at 100 ms.
+        row = [v / o.tpot_s for v in row]
         for i in range(3):
-            aty[i] += w * row[i] * norm * o.tpot_s * norm
+            aty[i] += w * row[i]
             for j in range(3):
-                ata[i][j] += w * row[i] * norm * row[j] * norm
+                ata[i][j] += w * row[i] * row[j]
     for i in range(3):
         ata[i][i] += ps.prior_weight
         aty[i] += ps.prior_weight * 1.0
@@ -194,7 +196,8 @@ def plan(s: Snapshot, cur: Settings, bounds: Bounds, model: StepModel, t: Thresh
     need = next((r for r in range(lo, hi + 1) if carries(r, ps.headroom)), None)
     short = need is None  # even the most replicas cannot carry it within the objective
     need = hi if need is None else need
-    if need < cur.replicas and not (carries(need, ps.scale_in_headroom) and _p95_after(s, cur, need, model) <= goal_p95):
+    if need < cur.replicas and not (carries(need, ps.scale_in_headroom)
+                                    and _p95_after(s, cur, need, model) <= goal_p95):
         need = cur.replicas  # fewer would carry it, but without the scale-in margin: stay
     x = width(need)
     seqs = bounds.max_num_seqs.clamp(max(1, math.floor(x)) if math.isfinite(x) else bounds.max_num_seqs.max)
