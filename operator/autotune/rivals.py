@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvpilot.engine.sim.fleet import Fleet
 
@@ -61,7 +62,7 @@ class Hpa:
 
     name: str
     target: float
-    metric: object  # Callable[[float, Fleet, VirtualPrometheus], tuple[float | None, str]]
+    metric: Callable[[float, Fleet, VirtualPrometheus], tuple[float | None, str]]
     min_replicas: int = 1
     max_replicas: int = 8
     startup_s: float = 60.0
