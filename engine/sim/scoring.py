@@ -22,6 +22,12 @@ def percentile(values: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def met_slo(r: SimRequest, scen: Scenario) -> bool:
+    """Whether the request finished within the objective of the phase it arrived in."""
+    slo = scen.slos[scen.phase_index(r.arrival)]
+    return slo.met(r.ttft, r.tpot, r.error is None and r.finished is not None)
+
+
 def _stats(reqs: list[SimRequest], good: int, gpu_s: float, duration: float) -> dict:
     ok = [r for r in reqs if r.error is None and r.finished is not None]
     return {
@@ -49,7 +55,7 @@ def score(fleet: Fleet, scen: Scenario) -> dict:
     bounds = scen.boundaries()
     for k, ((name, start, stop), reqs) in enumerate(zip(bounds, by_phase)):
         slo = scen.slos[k]
-        good = sum(1 for r in reqs if slo.met(r.ttft, r.tpot, r.error is None and r.finished is not None))
+        good = sum(1 for r in reqs if met_slo(r, scen))
         total_good += good
         stop = end if k == len(bounds) - 1 else stop
         phases.append({"name": name, "start": start, "end": stop, "slo": str(slo),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvpilot.engine.sim.fleet import Fleet
 from kvpilot.engine.sim.scenarios import Scenario
-from kvpilot.engine.sim.scoring import score
+from kvpilot.engine.sim.scoring import met_slo, score
 
 from . import rivals
 from .decision import Bounds, Range, Thresholds
@@ -73,9 +73,7 @@ def run_contender(scen: Scenario, c: Contender, max_replicas: int | None = None)
            **score(fleet, scen), "gpu_timeline": fleet.gpu_timeline, "decisions": [], "settings_timeline": [],
            "wall_s": 0.0}
     out["arrivals"] = [r.arrival for r in fleet.requests]
-    slo_of = [scen.slos[scen.phase_index(r.arrival)] for r in fleet.requests]
-    out["good_finishes"] = [r.finished for r, slo in zip(fleet.requests, slo_of)
-                            if slo.met(r.ttft, r.tpot, r.error is None and r.finished is not None)]
+    out["good_finishes"] = [r.finished for r in fleet.requests if met_slo(r, scen)]
     if isinstance(controller, AutoController):
         out["settings_timeline"] = [(iv.time, iv.max_num_seqs, iv.max_model_len, iv.replicas)
                                     for iv in controller.intervals]

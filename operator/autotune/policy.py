@@ -13,7 +13,7 @@ Order of business each interval:
    would diagnose: idle, preemption, length refusals, TPOT over the user's objective,
    then queueing split by what binds (the max_num_seqs cap, a long max_model_len, the
    hardware). With Thresholds.planner (autotune.controller Model) a fitted model of the
-   deployment (planner.py) sizes replicas and max_num_seqs for TPOT, scheduler, hardware
+   deployment (planner.py, planned.py) sizes replicas and max_num_seqs for TPOT, scheduler, hardware
    and healthy intervals instead of the fixed-ratio steps.
 """
 
@@ -24,18 +24,14 @@ import math
 from .capacity import CapacityPlan
 from .decision import Action, Bounds, Decision, Diagnosis, Settings, Thresholds
 from .history import History
-from .planner import fit, plan
+from .memory import PRESSURE, QUEUE_BOUND, blocked_move, broken_width, cap_in_window
+from .planned import PLANNED, plan_from_history, planned_change, scale_out_in_cooldown
 from .signals import Snapshot
 from .steps import (len_target, lower_seqs, lower_seqs_for_tpot, raise_seqs, round_up, seqs_ceiling,
                     tpot_blocks_raise)
 from .verify import ago, fmt_change, judge_last_change, signal, throughput_baseline
 
 DEFAULT_THRESHOLDS = Thresholds()
-_QUEUE_BOUND = (Diagnosis.SCHEDULER_BOUND, Diagnosis.KV_CACHE_BOUND, Diagnosis.HARDWARE_BOUND)
-_PRESSURE = _QUEUE_BOUND + (Diagnosis.PREEMPTION_BOUND, Diagnosis.TPOT_BOUND)
-# Where the fitted deployment model sizes replicas and batch width (planner.py); the other
-# diagnoses keep their rules (preemption, length refusals, a full cache, idle).
-_PLANNED = (Diagnosis.TPOT_BOUND, Diagnosis.SCHEDULER_BOUND, Diagnosis.HARDWARE_BOUND, Diagnosis.HEALTHY)
 
 
 def decide(
@@ -82,20 +78,21 @@ def decide(
                    if snapshot.reported(k) and snapshot.reported(k) != {getattr(current, k)}]
     if unconfirmed:
         return hold(f"{evidence}; waiting for the pods to report " + ", ".join(unconfirmed))
+    model_plan = plan_from_history(snapshot, current, bounds, history, now, thresholds)
     last = history.last_applied()
-    if last is not None and now - last.decision.time < thresholds.cooldown_s and not _more_replicas(
-            diagnosis, snapshot, current, bounds, history, now, thresholds, last):
+    if last is not None and now - last.decision.time < thresholds.cooldown_s and not scale_out_in_cooldown(
+            diagnosis, current, model_plan, last, now, thresholds):
         left = thresholds.cooldown_s - (now - last.decision.time)
         return hold(f"{evidence}; cooldown after {fmt_change(last.decision.change)}: {left:.0f}s left")
-    if diagnosis in _PRESSURE and snapshot.running_min is not None and snapshot.running_min < 0.5:
+    if diagnosis in PRESSURE and snapshot.running_min is not None and snapshot.running_min < 0.5:
         # A window that starts idle (load ramping up, or a pause) is no baseline: a change
         # made on it would be judged against a fully loaded window and look like harm.
         return hold(f"{evidence}; no request was running at some point in the window (load began "
                     f"or paused within it): waiting for a whole window of steady load")
 
     proposal, planned = None, None
-    if diagnosis in _PLANNED:
-        proposal = _planned(diagnosis, snapshot, current, bounds, history, now, thresholds)
+    if diagnosis in PLANNED and model_plan is not None:
+        proposal = planned_change(diagnosis, snapshot, current, model_plan, history, now, thresholds)
         if proposal is not None:
             proposal, planned = proposal[:4], proposal[4]
     if proposal is None:
@@ -134,7 +131,7 @@ def _diagnose(s: Snapshot, cur: Settings, bounds: Bounds, history: History,
               t: Thresholds) -> tuple[Diagnosis, str]:
     prev = history.last_diagnosis()
     preempt_level = t.preempt_exit_per_s if prev is Diagnosis.PREEMPTION_BOUND else t.preempt_enter_per_s
-    in_queue = prev in _QUEUE_BOUND
+    in_queue = prev in QUEUE_BOUND
     queue_level = t.queue_exit_s if in_queue else t.queue_enter_s
     waiting_level = t.waiting_exit if in_queue else t.waiting_enter
     full_level = t.kv_full_exit if prev in (Diagnosis.KV_CACHE_BOUND, Diagnosis.HARDWARE_BOUND) else t.kv_full_enter
@@ -169,7 +166,7 @@ def _diagnose(s: Snapshot, cur: Settings, bounds: Bounds, history: History,
     # The cap binds only when the pods run about as many sequences as it allows: queueing
     # with the cache and the cap both to spare (a burst of prompts waiting for the token
     # budget) is no reason to raise it.
-    at_cap = s.num_running / max(cur.replicas, 1) >= t.running_at_cap * _cap_in_window(s, cur, history)
+    at_cap = s.num_running / max(cur.replicas, 1) >= t.running_at_cap * cap_in_window(s, cur, history)
     if s.kv_usage_max < low_level and at_cap:
         return Diagnosis.SCHEDULER_BOUND, (
             f"{queue} while {kv} (peak < {low_level:.0%}) and {s.num_running:.1f} run: "
@@ -194,7 +191,7 @@ def _act(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, histo
         return _scale_in(cur, bounds, history, t)
     if diagnosis is Diagnosis.PREEMPTION_BOUND:
         new = lower_seqs(cur, bounds, capacity, t, s.num_running)
-        blocked = _blocked(history, "max_num_seqs", -1, now, t)
+        blocked = blocked_move(history, "max_num_seqs", -1, now, t)
         if new is not None and not blocked:
             why = (f" toward the {capacity.max_concurrent_seqs} sequences that fit"
                    if capacity is not None and capacity.max_concurrent_seqs < cur.max_num_seqs else "")
@@ -218,7 +215,7 @@ def _act(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, histo
                 f"raise max_model_len {cur.max_model_len} -> {new}", diagnosis)
     if diagnosis is Diagnosis.TPOT_BOUND:
         new = lower_seqs_for_tpot(s, cur, bounds, t)
-        blocked = _blocked(history, "max_num_seqs", -1, now, t)
+        blocked = blocked_move(history, "max_num_seqs", -1, now, t)
         if new is not None and not blocked:
             return ({"max_num_seqs": (cur.max_num_seqs, new)}, "tpot_p95_s",
                     f"lower max_num_seqs {cur.max_num_seqs} -> {new} (the batch width scaled "
@@ -228,8 +225,8 @@ def _act(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, histo
     if diagnosis is Diagnosis.SCHEDULER_BOUND:
         new = raise_seqs(s, cur, bounds, t)
         tpot_block = tpot_blocks_raise(s, cur, t)
-        blocked = _blocked(history, "max_num_seqs", +1, now, t) or tpot_block
-        ceiling = _broken_width(history, now, t)
+        blocked = blocked_move(history, "max_num_seqs", +1, now, t) or tpot_block
+        ceiling = broken_width(history, now, t)
         if new is not None and ceiling is not None and new >= ceiling[0]:
             new = ceiling[0] - 1 if ceiling[0] - 1 > cur.max_num_seqs else None
             if new is None and not blocked:
@@ -246,7 +243,7 @@ def _act(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, histo
         return _scale_out(cur, bounds, history, s, t, note, Diagnosis.HARDWARE_BOUND if tpot_block else diagnosis)
     if diagnosis is Diagnosis.KV_CACHE_BOUND:
         new = len_target(s, cur, bounds, t)
-        blocked = _blocked(history, "max_model_len", -1, now, t)
+        blocked = blocked_move(history, "max_model_len", -1, now, t)
         if not blocked:
             target = "queue_time_p95_s" if s.queue_time_p95_s is not None else "num_waiting"
             return ({"max_model_len": (cur.max_model_len, new)}, target,
@@ -258,67 +255,6 @@ def _act(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, histo
     return None
 
 
-def _more_replicas(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, history: History,
-                   now: float, t: Thresholds, last) -> bool:
-    """A planned scale-out may follow an earlier scale-out inside the cooldown once that one's
-    replicas had time to start: adding capacity is never reverted, so it needs no verifying
-    window, and a burst does not wait."""
-    if diagnosis not in _PRESSURE or "replicas" not in last.decision.change:
-        return False
-    old, new = last.decision.change["replicas"]
-    if new <= old or now - last.decision.time < t.scale_out_cooldown_s or not t.planner:
-        return False
-    model = fit(history, now)
-    p = plan(s, cur, bounds, model, t) if model is not None else None
-    return p is not None and p.replicas > cur.replicas
-
-
-def _planned(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, history: History,
-             now: float, t: Thresholds):
-    """The model's plan as a change, or None to fall back to the rules (no objective, no
-    fitted model, no demand). A scale-in waits until the last intervals were calm."""
-    if not t.planner:
-        return None
-    model = fit(history, now)
-    p = plan(s, cur, bounds, model, t) if model is not None else None
-    if p is None:
-        return None
-    change = {}
-    if p.replicas > cur.replicas:
-        change["replicas"] = (cur.replicas, p.replicas)
-    elif p.replicas < cur.replicas:
-        # Scale in only after scale_in_windows calm intervals that all planned fewer, and
-        # only as far as the highest of those plans (the HPA's stabilization, shortened).
-        calm = history.recent_diagnoses(t.scale_in_windows - 1)
-        earlier = history.recent_plans(t.scale_in_windows - 1)
-        if (len(calm) == len(earlier) == t.scale_in_windows - 1 and all(d not in _PRESSURE for d in calm)
-                and all(n < cur.replicas for n in earlier)):
-            change["replicas"] = (cur.replicas, max([p.replicas, *earlier]))
-    # The width moves only the way the diagnosis points: narrower for TPOT, wider when the
-    # cap binds; a healthy deployment keeps its batch (noise is no reason to move it), and
-    # a queue is the replica count's to fix (a narrower batch would only lengthen it: TTFT
-    # is half the objective too).
-    direction = (p.max_num_seqs > cur.max_num_seqs) - (p.max_num_seqs < cur.max_num_seqs)
-    serving = len(s.pods) or cur.replicas  # pods reporting: replicas still starting run nothing
-    at_cap = s.num_running / serving >= t.running_at_cap * _cap_in_window(s, cur, history)
-    queueing = (s.queue_time_p95_s or 0.0) >= t.queue_enter_s or s.num_waiting >= t.waiting_enter
-    wanted = {-1} if diagnosis is Diagnosis.TPOT_BOUND and not queueing else set()
-    if diagnosis in _PRESSURE and at_cap and queueing:
-        wanted.add(1)  # the cap holds back a queue the plan says the replicas can serve wider
-    if direction in wanted:
-        if not _blocked(history, "max_num_seqs", direction, now, t):
-            change["max_num_seqs"] = (cur.max_num_seqs, p.max_num_seqs)
-    if not change:
-        return {}, None, f"plan: hold ({p.reason})", diagnosis, p.replicas
-    # A width change alone is verified as the rules' are; one with replicas is not (a
-    # scale-out is never reverted, a scale-in has waited for calm plans already).
-    target = None
-    if "replicas" not in change:
-        target = "tpot_p95_s" if change["max_num_seqs"][1] < cur.max_num_seqs else "num_waiting"
-    what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in change.items())
-    return change, target, f"plan: {what} ({p.reason})", diagnosis, p.replicas
-
-
 def _scale_out(cur: Settings, bounds: Bounds, history: History, s: Snapshot, t: Thresholds,
                note: str, diagnosis: Diagnosis):
     prefix = f"{note}; " if note else ""
@@ -327,7 +263,7 @@ def _scale_out(cur: Settings, bounds: Bounds, history: History, s: Snapshot, t: 
     if cur.replicas >= bounds.replicas.max:
         return {}, None, f"{prefix}replicas already at the maximum {bounds.replicas.max}", diagnosis
     earlier = history.recent_diagnoses(t.scale_out_windows - 1)
-    if len(earlier) < t.scale_out_windows - 1 or any(d not in _PRESSURE for d in earlier):
+    if len(earlier) < t.scale_out_windows - 1 or any(d not in PRESSURE for d in earlier):
         return {}, None, (f"{prefix}adding a replica once this lasts "
                           f"{t.scale_out_windows} intervals"), diagnosis
     target = "queue_time_p95_s" if s.queue_time_p95_s is not None else "num_waiting"
@@ -348,49 +284,7 @@ def _scale_in(cur: Settings, bounds: Bounds, history: History, t: Thresholds):
             f"remove a replica {cur.replicas} -> {cur.replicas - 1}", Diagnosis.IDLE)
 
 
-# --- memory of earlier moves ---------------------------------------------------------
-
-def _broken_width(history: History, now: float, t: Thresholds) -> tuple[int, float] | None:
-    """(max_num_seqs, time): the smallest value the autotuner had to lower max_num_seqs from,
-    for TPOT or preemptions, within flip_backoff_s. Raises stay below it: measured noise
-    must not walk the batch back up to a width that was already seen to fail."""
-    worst = None
-    for entry in history.applied_since(now - t.flip_backoff_s):
-        d = entry.decision
-        if "max_num_seqs" not in d.change or d.diagnosis not in (Diagnosis.TPOT_BOUND, Diagnosis.PREEMPTION_BOUND):
-            continue
-        old, new = d.change["max_num_seqs"]
-        if new < old and (worst is None or old <= worst[0]):
-            worst = (old, d.time)
-    return worst
-
-
-def _blocked(history: History, setting: str, direction: int, now: float, t: Thresholds) -> str | None:
-    """Why moving `setting` in `direction` is not allowed now: it would retry a move that
-    was just reverted, or lower max_model_len right after it was raised for refusals."""
-    for entry in reversed(history.applied_since(now - t.flip_backoff_s)):
-        d = entry.decision
-        if setting not in d.change:
-            continue
-        old, new = d.change[setting]
-        moved = (new > old) - (new < old)
-        if d.action is Action.REVERT and moved == -direction:
-            return f"{setting} was reverted {ago(now, d.time)}; not retrying that move yet"
-        if setting == "max_model_len" and direction < 0 and moved > 0:
-            return f"max_model_len was raised {ago(now, d.time)}; not lowering it again yet"
-    return None
-
-
 # --- helpers ----------------------------------------------------------------------------
-
-def _cap_in_window(s: Snapshot, cur: Settings, history: History) -> int:
-    """The lowest max_num_seqs in effect during the window: right after a raise, the
-    window's mean running count still reflects the old cap."""
-    last = history.last_applied()
-    if last is not None and s.time - last.decision.time < s.window_s and "max_num_seqs" in last.decision.change:
-        return min(cur.max_num_seqs, *last.decision.change["max_num_seqs"])
-    return cur.max_num_seqs
-
 
 def _clamp_to_bounds(cur: Settings, bounds: Bounds) -> dict:
     out = {}

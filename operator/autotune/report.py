@@ -18,6 +18,7 @@ from pydantic.alias_generators import to_camel
 from .capacity import CapacityPlan
 from .decision import Action, Decision, Diagnosis
 from .history import History, HistoryEntry, Observation
+from .planner import fit
 from .signals import Snapshot
 
 _CAMEL = {"max_num_seqs": "maxNumSeqs", "max_model_len": "maxModelLen", "replicas": "replicas"}
@@ -138,8 +139,6 @@ def build_report(decision: Decision, history: History, snapshot: Snapshot | None
 
 
 def _model_status(history: History, now: float) -> ModelStatus:
-    from .planner import fit
-
     model = fit(history, now)
     return ModelStatus(
         fit=str(model) if model else None,
