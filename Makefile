@@ -33,12 +33,15 @@ demo: dev
 
 # The headline benchmark. First, in virtual time on a SIMULATED H100 (minutes): a day of
 # traffic with every contender (defaults, a static sweep, KEDA/WVA/HPA rules, Auto) and the
-# field guide's three failure cases. Then the real-time run on the local cluster (real
-# operator, real Prometheus, the tiny model's real engine pods). Writes results/.
+# field guide's three failure cases. Then the same day compressed to 15 minutes in real time
+# on the local cluster (simulated H100 pods, real operator, Prometheus, HPA controller and
+# KEDA), against the same compressed day in virtual time. Last, the stationary run on the
+# tiny model's real engine pods. Writes results/.
 CONTEST := $(VENV)/bin/kvpilot autotune contest --out results
 autotune-bench: dev
 	$(CONTEST) --scenario day --sweep --sweep-seqs 128,256 --sweep-lens 32768
 	for s in preemption long-max-model-len scheduler-bound; do $(CONTEST) --scenario $$s || exit 1; done
+	$(PY) e2e/day_contest.py --out results
 	$(PY) e2e/autotune_bench.py
 
 clean:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 import uuid
@@ -252,10 +251,6 @@ def report(results: dict, out: Path) -> str:
     return text
 
 
-def _interrupt(*_):
-    raise KeyboardInterrupt
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "results"))
@@ -268,18 +263,7 @@ def main() -> int:
         return 0
     import logging
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    bench = Bench(args)
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        return bench.run()
-    except KeyboardInterrupt:
-        log("interrupted; cleaning up")
-        return 130
-    except (ks.SetupError, ks.ClusterError, TimeoutError) as e:
-        log(f"autotune-bench failed: {e}")
-        return 1
-    finally:
-        bench.cleanup()
+    return ks.run_to_exit_code(Bench(args), "autotune-bench")
 
 
 if __name__ == "__main__":

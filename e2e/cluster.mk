@@ -1,5 +1,5 @@
 # The local Kubernetes (e2e/): included by the top Makefile.
-#   make cluster-build  build etcd, kube-*, kubectl and Prometheus once (cached in ~/.cache/kvpilot/)
+#   make cluster-build  build etcd, kube-*, kubectl, Prometheus and KEDA once (cached in ~/.cache/kvpilot/)
 #   make cluster-up     start it in the background; writes .cluster/kubeconfig and .cluster/env
 #   make cluster-down   stop exactly the processes cluster-up started
 #   make cluster-status what is running

@@ -19,7 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from localcluster import LocalCluster, wait_for as _wait_for  # noqa: E402
-from localcluster.build import ensure_binaries, ensure_prometheus  # noqa: E402
+from localcluster.build import ensure_binaries, ensure_keda, ensure_prometheus  # noqa: E402
 
 E2E_DIR = Path(__file__).resolve().parent
 
@@ -33,6 +33,8 @@ def pytest_collection_finish(session):
     with capman.global_and_fixture_disabled():
         ensure_binaries()
         ensure_prometheus()
+        if any(Path(str(i.path)).name == "test_keda.py" for i in session.items):
+            ensure_keda()  # KEDA's first build is long too; only when its test runs
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ import asyncio
 import math
 import random
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -45,6 +46,24 @@ def log(msg: str) -> None:
 class SetupError(RuntimeError):
     """A step failed; the message says which and where to look."""
 
+
+
+def run_to_exit_code(job, what: str) -> int:
+    """A benchmark script's main: `job.run()` as the exit code; SIGTERM and Ctrl-C clean up
+    and give 130, a failed set-up step is logged and gives 1; `job.cleanup()` always runs."""
+    def interrupt(*_):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        return job.run()
+    except KeyboardInterrupt:
+        log("interrupted; cleaning up")
+        return 130
+    except (SetupError, ClusterError, TimeoutError) as e:
+        log(f"{what} failed: {e}")
+        return 1
+    finally:
+        job.cleanup()
 
 # --- cluster ------------------------------------------------------------------------
 def open_cluster(workdir: Path) -> tuple[LocalCluster, bool]:
@@ -434,6 +453,6 @@ def _rfc3339(text: str) -> float:
     return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc).timestamp()
 
 
-__all__ = ["ClusterError", "LoadDriver", "Monitor", "SetupError", "Workload",
+__all__ = ["ClusterError", "LoadDriver", "Monitor", "SetupError", "Workload", "run_to_exit_code",
            "deploy", "engine_pods", "get_llmd", "install_operator", "llmd_manifest", "log", "open_cluster",
            "pod_urls", "preemptions_total", "set_live", "wait_for"]

@@ -16,6 +16,8 @@ def simulate_args(sim: SimulateSpec) -> list[str]:
     args = ["--simulate", sim.accelerator, "--simulate-model", model]
     if sim.output_len is not None:
         args += ["--simulate-output-len", sim.output_len]
+    if sim.load_seconds:
+        args += ["--simulate-load-seconds", f"{sim.load_seconds:g}"]
     return args
 
 

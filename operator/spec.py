@@ -99,6 +99,10 @@ class SimulateSpec(Model):
         description="Where EOS comes for requests that do not ignore it: fixed:N, uniform:LO:HI, "
                     "exponential:MEAN or lognormal:MEDIAN:SIGMA (the engine's default: "
                     "lognormal:256:1.0).")
+    load_seconds: Optional[float] = Field(
+        default=None, ge=0, le=3600,
+        description="Seconds the simulated model takes to load before the pod is ready (a real 8B "
+                    "model: about a minute); default 0.")
 
 
 class EngineSpec(Model):

@@ -11,8 +11,9 @@ import pytest
 
 from kvpilot.engine.sim.fleet import Fleet
 from kvpilot.engine.sim.scenarios import DAY, SCENARIOS, Slo, scenario
-from kvpilot.engine.sim.scoring import percentile, score
-from kvpilot.operator.autotune.contest import Contender, run_contender
+from kvpilot.engine.sim.fleet import SimRequest
+from kvpilot.engine.sim.scoring import RecordedRun, percentile, score
+from kvpilot.operator.autotune.contest import Contender, auto_settings, run_contender
 from kvpilot.operator.autotune.history import History, Observation
 from kvpilot.operator.autotune.planner import PlannerSettings, StepModel, fit, plan
 from kvpilot.operator.autotune.decision import Bounds, Range, Settings, Thresholds
@@ -76,6 +77,23 @@ def test_score_splits_by_phase_and_uses_each_phase_objective():
     assert s["overall"]["failed"] == 0 and s["overall"]["good"] == s["overall"]["requests"]
     assert s["overall"]["goodput_per_gpu_hour"] == pytest.approx(s["overall"]["good"] / (s["end"] / 3600))
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([], 95) is None
+
+
+def test_a_recorded_real_time_run_is_judged_as_a_simulated_one():
+    scen = scenario("scheduler-bound").scaled(0.05)
+    fleet = Fleet(scen.engine_config(max_num_seqs=256), scrape_interval=15.0)
+    fleet.run(scen.trace())
+    recorded = RecordedRun(list(fleet.requests), list(fleet.gpu_timeline))
+    assert score(recorded, scen) == score(fleet, scen)
+    # what the cluster run records per request: arrival, first token and end on the trace's
+    # clock (a refused request has neither)
+    late = RecordedRun([SimRequest(0, 0, arrival=1.0, prompt_len=10, output_tokens=11, first_token=4.0,
+                                   finished=4.5),
+                        SimRequest(1, 0, arrival=2.0, prompt_len=10, output_tokens=11, first_token=2.5,
+                                   finished=3.0),
+                        SimRequest(2, 0, arrival=2.5, prompt_len=10, error="HTTP 400")], [(0.0, 2)])
+    s = score(late, scen)["overall"]
+    assert (s["good"], s["failed"], s["gpu_hours"]) == (1, 1, pytest.approx(2 * 4.5 / 3600))  # TTFT 3 s > 2 s
 
 
 def test_hpa_follows_the_kubernetes_algorithm():
@@ -232,18 +250,33 @@ def test_scale_in_waits_for_calm_plans():
     assert "replicas" not in first.change and first.planned_replicas < 4
 
 
+def test_a_compressed_day_compresses_every_control_loop_with_it():
+    scen = scenario("scheduler-bound").scaled(0.05)
+    fast = auto_settings(scen, 8, control_scale=1 / 3)
+    slow = auto_settings(scen, 8)
+    assert (fast.interval_s, fast.window_s, fast.thresholds.cooldown_s, fast.replica_startup_s) == \
+        pytest.approx((slow.interval_s / 3, slow.window_s / 3, slow.thresholds.cooldown_s / 3,
+                       slow.replica_startup_s / 3))
+    keda = run_contender(scen, Contender("keda", 32, 32768), control_scale=0.5)
+    assert keda["overall"]["requests"] > 0
+    for bad in (0, 1.5):
+        with pytest.raises(ValueError, match="control_scale"):
+            run_contender(scen, Contender("static", 32, 32768), control_scale=bad)
+
+
 # --- the command -----------------------------------------------------------------------
 
 def test_contest_command_prints_the_table_and_writes_json_and_pngs(tmp_path, capsys):
     from kvpilot.engine.cli import main
 
     code = main(["autotune", "contest", "--scenario", "scheduler-bound", "--time-scale", "0.1",
-                 "--workers", "1", "--out", str(tmp_path)])
+                 "--scale-controls", "--workers", "1", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0
     assert "SIMULATED accelerator" in out and "kvpilot Auto" in out and "Auto / defaults" in out
     data = json.loads((tmp_path / "contest-scheduler-bound.json").read_text())
     assert data["simulated"] and {r["kind"] for r in data["results"]} == {"static", "keda", "wva", "hpa-kv", "auto"}
+    assert data["control_scale"] == 0.1
     assert len(list(tmp_path.glob("contest-scheduler-bound-*.png"))) == 5
 
 
@@ -251,7 +284,8 @@ def test_contest_command_names_the_bad_flag(capsys):
     from kvpilot.engine.cli import main
 
     for argv, word in ((["--scenario", "nope"], "scenario"), (["--time-scale", "0"], "time_factor"),
-                       (["--sweep", "--sweep-seqs", "12x"], "sweep_seqs"), (["--workers", "0"], "workers")):
+                       (["--sweep", "--sweep-seqs", "12x"], "sweep_seqs"), (["--workers", "0"], "workers"),
+                       (["--time-scale", "2", "--scale-controls"], "--scale-controls")):
         assert main(["autotune", "contest", *argv]) == 2, argv
         assert word in capsys.readouterr().err
     assert main(["sim", "run", "--scenario", "nope", "--simulate", "h100-80gb"]) == 2

@@ -199,6 +199,8 @@ def test_hpa_owned_scale_is_left_alone():
     assert idle.change == {} and "HPA" in idle.reason
     # Replicas outside the bounds are the HPA's business too; the other settings still move.
     assert run(snap(**PREEMPTING), cur=replace(cur, replicas=9)).change == {"max_num_seqs": (64, 48)}
+    refused = run(snap(length_refusals_per_s=0.5), cur=replace(cur, max_model_len=512))
+    assert refused.change == {"max_model_len": (512, 1024)}
 
 
 def test_sustained_idle_removes_one_replica_down_to_the_minimum():

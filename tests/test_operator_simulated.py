@@ -80,6 +80,13 @@ def test_output_len_and_model_source_when_given():
     assert flag(args, "--model") == "builtin:tiny" and flag(args, "--served-model-name") == "m"
 
 
+def test_load_seconds_becomes_the_flag_and_is_bounded():
+    assert flag(args_of(sim_spec({**H100, "loadSeconds": 55})), "--simulate-load-seconds") == "55"
+    assert "--simulate-load-seconds" not in args_of(sim_spec(H100))
+    with pytest.raises(ValueError, match="load_seconds|loadSeconds"):
+        sim_spec({**H100, "loadSeconds": -1})
+
+
 def test_real_gpu_pods_keep_dshm_and_have_no_simulated_label():
     d = build_deployment(OWNER, spec(resources={"gpus": 1}), 1)
     assert any(v["name"] == "dshm" for v in pod(d)["volumes"])

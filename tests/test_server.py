@@ -163,6 +163,29 @@ def test_request_id_header(server):
     assert r.headers.get("x-request-id")
 
 
+
+def _timing(header: str) -> dict[str, float]:
+    from kvpilot.engine.server.server_timing import parse_server_timing
+    return {k: 1000 * v for k, v in parse_server_timing(header).items()}  # ms, as sent
+
+
+def test_server_timing_header_on_non_streaming_responses(server):
+    body = {"model": MODEL, "prompt": "hello there", "max_tokens": 6, "ignore_eos": True}
+    start = time.perf_counter()
+    r = httpx.post(server.url + "/v1/completions", headers=_auth(), json=body, timeout=60)
+    wall_ms = 1000 * (time.perf_counter() - start)
+    assert r.status_code == 200
+    t = _timing(r.headers["server-timing"])
+    assert set(t) == {"queue", "ttft", "tpot", "e2e"}
+    assert 0 <= t["queue"] <= t["ttft"] <= t["e2e"] <= wall_ms
+    # five gaps between six tokens: the mean gap times five spans first to last token
+    assert t["ttft"] + 5 * t["tpot"] == pytest.approx(t["e2e"], abs=0.01)
+    chat = httpx.post(server.url + "/v1/chat/completions", headers=_auth(), timeout=60,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    assert set(_timing(chat.headers["server-timing"])) == {"queue", "ttft", "e2e"}  # one token: no TPOT
+    two = httpx.post(server.url + "/v1/completions", headers=_auth(), timeout=60, json={**body, "n": 2})
+    assert "tpot" not in _timing(two.headers["server-timing"])  # a mean over two streams is no one's TPOT
+
 # --- errors -------------------------------------------------------------------------------
 
 def _envelope(r: httpx.Response, status: int) -> dict:

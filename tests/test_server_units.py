@@ -90,3 +90,20 @@ def test_metrics_registry_names_buckets_and_counter_deltas():
     assert les[:-1] == list(TTFT_BUCKETS)
     other = ServerMetrics("other", 1024)  # a second registry: no clash, no shared state
     assert b"other" in other.render() and b'model_name="tiny"' not in other.render()
+
+
+def test_server_timing_header_round_trips_and_skips_what_it_cannot_say():
+    from kvpilot.engine.outputs import RequestMetrics
+    from kvpilot.engine.server.server_timing import parse_server_timing, server_timing
+
+    m = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0,
+                       last_token_time=11.4, finished_time=11.4)
+    header = server_timing(m, [5])
+    assert header == "queue;dur=500.000, ttft;dur=1000.000, tpot;dur=100.000, e2e;dur=1400.000"
+    assert parse_server_timing(header) == pytest.approx({"queue": 0.5, "ttft": 1.0, "tpot": 0.1, "e2e": 1.4})
+    assert "tpot" not in parse_server_timing(server_timing(m, [1]))  # one token: no gap to average
+    assert "tpot" not in parse_server_timing(server_timing(m, [5, 5]))  # n=2: no single stream
+    assert server_timing(RequestMetrics(arrival_time=1.0), [0]) is None  # never produced a token
+    # another server's entries (no duration, a description) do not confuse the reader
+    assert parse_server_timing('cache;desc="hit", db;dur=53, ttft;dur=abc') == {"db": 0.053}
+    assert parse_server_timing(None) == {}

@@ -128,6 +128,12 @@ def test_detokenize_false_and_final_only_outputs():
         SamplingParams(output_kind="sometimes")
 
 
+def test_model_loading_takes_its_simulated_time_on_the_engine_clock():
+    clock = VirtualClock()
+    LLMEngine(EngineConfig(model=None, simulate={**SIM, "load_seconds": 55}), clock)
+    assert clock.now() == 55.0
+
+
 def test_simulate_config_errors_name_the_field():
     with pytest.raises(ValueError, match="simulate_model: name a model shape"):
         EngineConfig(model=None, simulate={"accelerator": "h100-80gb"})
@@ -135,6 +141,8 @@ def test_simulate_config_errors_name_the_field():
         EngineConfig(model=None, simulate={**SIM, "output_len": "normal:3"})
     with pytest.raises(ValueError, match="simulate_memory"):
         EngineConfig(model=None, simulate={**SIM, "memory": "lots"})
+    with pytest.raises(ValueError, match="simulate_load_seconds"):
+        EngineConfig(model=None, simulate={**SIM, "load_seconds": -2})
     with pytest.raises(ValueError, match="max_position_embeddings"):
         LLMEngine(EngineConfig(model=None, simulate={**SIM, "model": "mistral-7b"}, max_model_len=65536),
                   VirtualClock())

@@ -1,5 +1,5 @@
 """Locates the Go-built binaries, building them once (progress on stderr):
-the control plane (e2e/k8s) and Prometheus (e2e/prometheus)."""
+the control plane (e2e/k8s), Prometheus (e2e/prometheus) and KEDA (e2e/keda)."""
 from __future__ import annotations
 
 import subprocess
@@ -34,3 +34,8 @@ def ensure_binaries() -> Path:
 def ensure_prometheus() -> Path:
     """The prometheus executable (with Kubernetes service discovery)."""
     return _ensure("prometheus", ("prometheus",)) / "prometheus"
+
+
+def ensure_keda() -> Path:
+    """The bin folder with KEDA's `operator` and `adapter` (its metrics API server)."""
+    return _ensure("keda", ("operator", "adapter"))

@@ -1,6 +1,8 @@
 """A throwaway PKI for one local cluster, made with the `openssl` CLI: a CA,
 the API server's serving certificate, client certificates (admin in
-system:masters, controller manager, scheduler), and the service-account key."""
+system:masters, controller manager, scheduler, and the aggregation layer's
+front-proxy-client), and the service-account key. `issue` makes more
+certificates from the same CA later (KEDA's, see keda.py)."""
 from __future__ import annotations
 
 import subprocess
@@ -58,6 +60,14 @@ def _issue(d: Path, name: str, subject: str, *, sans: list[str] | None = None,
              "-out", f"{name}.crt", cwd=d)
 
 
+def issue(pki: Pki, name: str, subject: str, sans: list[str], usage: str) -> tuple[Path, Path]:
+    """One more certificate signed by the cluster's CA: (cert, key) in the PKI folder."""
+    _issue(pki.dir, name, subject, sans=sans, usage=usage)
+    for f in (pki.dir / f"{name}.csr", pki.dir / f"{name}.ext"):
+        f.unlink(missing_ok=True)
+    return pki.cert(name), pki.key(name)
+
+
 def make_pki(d: Path, ips: list[str]) -> Pki:
     """`ips`: the addresses the API server and the node endpoint serve on."""
     d.mkdir(parents=True, exist_ok=True)
@@ -76,6 +86,10 @@ def make_pki(d: Path, ips: list[str]) -> Pki:
     _issue(d, "admin", "/O=system:masters/CN=kvpilot-admin")
     _issue(d, "controller-manager", "/CN=system:kube-controller-manager")
     _issue(d, "scheduler", "/CN=system:kube-scheduler")
+    # What the API server presents when it proxies to an aggregated API server
+    # (KEDA's metrics adapter); that server trusts it through
+    # --requestheader-client-ca-file and --requestheader-allowed-names.
+    _issue(d, "front-proxy-client", "/CN=front-proxy-client")
     _openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048",
              "-out", "sa.key", cwd=d)
     _openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)

@@ -37,9 +37,11 @@ from .ports import free_port
 from .procs import CLUSTER_ID_ENV, Proc, kill_tagged, tagged_processes
 from .waiting import wait_for
 
-# Started in this order, stopped in reverse.
+# Started in this order, stopped in reverse. KEDA's two processes are started
+# only on request (keda.py, after the cluster is up); listed so that stop() and
+# attach() treat them as the cluster's own.
 ORDER = ["podnet", "etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
-         "node", "prometheus"]
+         "node", "prometheus", "keda-operator", "keda-adapter"]
 DEFAULT_CAPACITY = {"cpu": "32", "memory": "128Gi", "pods": "110", "nvidia.com/gpu": "8",
                     "ephemeral-storage": "100Gi"}
 
@@ -130,8 +132,9 @@ class LocalCluster:
                   + (f" PROMETHEUS_URL={self.prometheus_url}" if self.prometheus_url else ""))
         return self
 
-    def _spawn(self, name: str, argv: list[str], cwd: Path | None = None) -> Proc:
-        env = dict(os.environ, **{CLUSTER_ID_ENV: self.cluster_id})
+    def _spawn(self, name: str, argv: list[str], cwd: Path | None = None,
+               extra_env: dict[str, str] | None = None) -> Proc:
+        env = dict(os.environ, **(extra_env or {}), **{CLUSTER_ID_ENV: self.cluster_id})
         proc = Proc.spawn(name, argv, pidfile=self.workdir / "run" / f"{name}.pid",
                           logfile=self.workdir / "logs" / f"{name}.log", env=env, cwd=cwd,
                           detached=self.detached)

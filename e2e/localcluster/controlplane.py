@@ -51,11 +51,17 @@ def apiserver_argv(bin: Path, pki: Pki, p: Ports, address: str, service_cidr: st
         f"--bind-address={address}", f"--advertise-address={address}", f"--secure-port={p.apiserver}",
         f"--tls-cert-file={pki.cert('apiserver')}", f"--tls-private-key-file={pki.key('apiserver')}",
         f"--client-ca-file={pki.ca}",
-        # Request-header authentication is configured only so that components
-        # that read it (scheduler, controller manager) find a CA bundle.
+        # Request-header authentication: the scheduler and controller manager read
+        # its CA bundle, and aggregated API servers (KEDA's metrics adapter) trust
+        # the front-proxy-client certificate the API server proxies to them with.
         f"--requestheader-client-ca-file={pki.ca}", "--requestheader-allowed-names=front-proxy-client",
         "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",
         "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+        f"--proxy-client-cert-file={pki.cert('front-proxy-client')}",
+        f"--proxy-client-key-file={pki.key('front-proxy-client')}",
+        # No kube-proxy here, so nothing routes Service ClusterIPs: the aggregator
+        # dials an APIService's endpoint (from its EndpointSlice) instead.
+        "--enable-aggregator-routing=true",
         "--authorization-mode=RBAC",
         f"--service-account-key-file={pki.sa_pub}",
         f"--service-account-signing-key-file={pki.sa_key}",

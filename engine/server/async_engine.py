@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
-from ..outputs import CompletionOutput, RequestOutput, TokenLogprob
+from ..outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from ..sampling_params import SamplingParams
 from .metrics import ServerMetrics
 
@@ -57,6 +57,7 @@ class Snapshot:
     num_prompt_tokens: int
     num_cached_tokens: int = 0
     error: str | None = None
+    metrics: RequestMetrics | None = None  # the engine's timestamps, with the final snapshot
 
 
 def _copy(out: CompletionOutput) -> Choice:
@@ -339,7 +340,8 @@ class AsyncEngine:
                 continue  # aborted while this step ran
             m = out.metrics
             snap = Snapshot(out.request_id, [_copy(c) for c in out.outputs], out.finished,
-                            len(out.prompt_token_ids), m.num_cached_tokens if m else 0)
+                            len(out.prompt_token_ids), m.num_cached_tokens if m else 0,
+                            metrics=m if out.finished else None)
             track.latest = snap
             batch.append(snap)
             if out.finished:

@@ -18,6 +18,7 @@ from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine, Choice, EngineError, RequestStream, Snapshot, StreamClosed
 from .errors import APIError, error_body
 from .protocol import _Sampling
+from .server_timing import server_timing
 
 log = logging.getLogger("kvpilot.server")
 
@@ -213,8 +214,10 @@ class Reply:
         return await final_snapshot(self.stream, self.watcher)
 
     def json(self, choices: list[dict], snap: Snapshot) -> JSONResponse:
+        timing = server_timing(snap.metrics, [len(c.token_ids) for c in snap.choices])
+        headers = {**self.headers, "Server-Timing": timing} if timing else self.headers
         return JSONResponse({**self.head, "choices": choices,
-                             "usage": usage(self.num_prompt_tokens, snap)}, headers=self.headers)
+                             "usage": usage(self.num_prompt_tokens, snap)}, headers=headers)
 
     def chunk(self, choices: list[dict]) -> str:
         return sse({**self.head, "choices": choices, **({"usage": None} if self.include_usage else {})})

@@ -29,6 +29,9 @@ class SimulationConfig:
     output_len: str = field(default=DEFAULT_OUTPUT_LEN, metadata={
         "help": "where EOS comes unless a request ignores it: fixed:N, uniform:LO:HI, "
                 "exponential:MEAN or lognormal:MEDIAN:SIGMA"})
+    load_seconds: float = field(default=0.0, metadata={
+        "help": "seconds the simulated model takes to load before the server is ready (a real "
+                "8B model: about a minute of weights, compile and CUDA graphs); default 0"})
     output_lengths: OutputLengths = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -41,4 +44,7 @@ class SimulationConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not 0 < value < 1e7):
                 raise ValueError(f"simulate_{name} must be a positive number, got {value!r}")
+        v = self.load_seconds
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 3600:
+            raise ValueError(f"simulate_load_seconds must be a number in [0, 3600], got {v!r}")
         self.output_lengths = OutputLengths.parse(self.output_len)

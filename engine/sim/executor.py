@@ -6,6 +6,8 @@ cache's bytes are never allocated: only the block bookkeeping is real."""
 
 from __future__ import annotations
 
+import logging
+
 from ..config import EngineConfig
 from ..executor import StepResult
 from ..scheduler import SchedulerOutput
@@ -17,6 +19,7 @@ from .tokenizer import simulated_tokenizer
 from .tokens import TokenSource
 
 TFLOP, GB = 1e12, 1e9
+log = logging.getLogger("kvpilot.sim")
 
 
 def _token_range(tokenizer: Tokenizer) -> tuple[int, int]:
@@ -58,8 +61,12 @@ class SimulatedExecutor:
             sim.accelerator, sim.calibration, memory_bytes=sim.memory,
             bandwidth=sim.bandwidth_gbps * GB if sim.bandwidth_gbps else None,
             flops=sim.tflops * TFLOP if sim.tflops else None)
-        return cls(config, clock, model, acc, simulated_tokenizer(model.tokenizer_dir,
-                                                                  model.max_position_embeddings))
+        executor = cls(config, clock, model, acc, simulated_tokenizer(model.tokenizer_dir,
+                                                                      model.max_position_embeddings))
+        if sim.load_seconds:
+            log.info("simulating model loading: %.0f s", sim.load_seconds)
+            clock.sleep_until(clock.now() + sim.load_seconds)  # on a virtual clock, a jump
+        return executor
 
     def describe(self) -> str:
         acc = self.accelerator

@@ -56,6 +56,16 @@ class SimRequest:
         return (self.finished - self.first_token) / (self.output_tokens - 1)
 
 
+def gpu_seconds(timeline: list[tuple[float, int]], start: float, end: float) -> float:
+    """GPU-seconds between start and end of a timeline of (time, GPUs held from then on)."""
+    total = 0.0
+    for (t, n), nxt in zip(timeline, timeline[1:] + [(math.inf, 0)]):
+        lo, hi = max(t, start), min(nxt[0], end)
+        if hi > lo:
+            total += n * (hi - lo)
+    return total
+
+
 @dataclass
 class Scrape:
     time: float
@@ -209,12 +219,7 @@ class Fleet:
     def gpu_seconds(self, start: float, end: float) -> float:
         """GPU-seconds held between start and end (a replica holds its GPU from the moment it
         is asked for until it has drained, like a pod from scheduling to termination)."""
-        total = 0.0
-        for (t, n), nxt in zip(self.gpu_timeline, self.gpu_timeline[1:] + [(math.inf, 0)]):
-            lo, hi = max(t, start), min(nxt[0], end)
-            if hi > lo:
-                total += n * (hi - lo)
-        return total
+        return gpu_seconds(self.gpu_timeline, start, end)
 
     @property
     def num_replicas(self) -> int:

@@ -6,9 +6,31 @@ the last phase also owns the time the fleet takes to drain after the last arriva
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from typing import Protocol
 
-from .fleet import Fleet, SimRequest
+from .fleet import SimRequest, gpu_seconds
 from .scenarios import Scenario
+
+
+class Judged(Protocol):
+    """What score() reads: a simulated Fleet, or a RecordedRun from a real-time cluster."""
+
+    requests: list[SimRequest]
+
+    def gpu_seconds(self, start: float, end: float) -> float: ...
+
+
+@dataclass
+class RecordedRun:
+    """A run measured outside the simulator (the local cluster in real time): its requests
+    on the trace's clock and the GPUs its pods held."""
+
+    requests: list[SimRequest] = field(default_factory=list)
+    gpu_timeline: list[tuple[float, int]] = field(default_factory=list)
+
+    def gpu_seconds(self, start: float, end: float) -> float:
+        return gpu_seconds(self.gpu_timeline, start, end)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -43,7 +65,7 @@ def _stats(reqs: list[SimRequest], good: int, gpu_s: float, duration: float) -> 
     }
 
 
-def score(fleet: Fleet, scen: Scenario) -> dict:
+def score(fleet: Judged, scen: Scenario) -> dict:
     """{"overall": {...}, "phases": [{"name", "start", "end", ...}, ...]} for a finished run."""
     # The day ends when its last request does: GPUs a controller still holds after that
     # are not the traffic's cost.

@@ -44,27 +44,41 @@ class Contender:
         return f"static seqs={self.max_num_seqs} len={self.max_model_len} x{self.replicas}"
 
 
-def auto_settings(scen: Scenario, max_replicas: int, planner: bool = True) -> AutotuneSettings:
+def auto_settings(scen: Scenario, max_replicas: int, planner: bool = True,
+                  control_scale: float = 1.0) -> AutotuneSettings:
     """What the contest's LLMDeployment would say: Auto, the phase's TPOT objective, the
-    engine's bounds, and the same replica range the autoscalers get."""
+    engine's bounds, and the same replica range the autoscalers get. `control_scale`
+    shortens the interval, window, cooldown and pod start-up together (a compressed day)."""
     tpot = next((s.tpot_s for s in scen.slos if s.tpot_s), None)
+    f = control_scale
     return AutotuneSettings(
-        mode="Auto", interval_s=15.0, window_s=60.0,
+        mode="Auto", interval_s=15.0 * f, window_s=60.0 * f,
         bounds=Bounds(Range(1, 1024), Range(1024, 32768), Range(1, max_replicas)),
-        thresholds=Thresholds(tpot_objective_s=tpot, cooldown_s=60.0, planner=planner), replica_startup_s=REPLICA_STARTUP_S)
+        thresholds=Thresholds(tpot_objective_s=tpot, cooldown_s=60.0 * f, planner=planner),
+        replica_startup_s=REPLICA_STARTUP_S * f)
 
 
-def run_contender(scen: Scenario, c: Contender, max_replicas: int | None = None) -> dict:
-    """One contender over the whole scenario: its score, timeline and decisions."""
+def run_contender(scen: Scenario, c: Contender, max_replicas: int | None = None,
+                  control_scale: float = 1.0) -> dict:
+    """One contender over the whole scenario: its score, timeline and decisions. With a
+    `control_scale` below 1 every control loop runs that much faster (scrapes, the HPA's
+    sync and scale-down stabilization, KEDA's and WVA's periods, Auto's interval, window
+    and cooldown) and pods start that much sooner: the scenario's phases compressed by the
+    same factor keep their shape. The accelerator's step times do not change."""
+    if not 0 < control_scale <= 1:
+        raise ValueError(f"control_scale must be in (0, 1], got {control_scale!r}")
     started = time.perf_counter()
+    f = control_scale
     max_replicas = max_replicas or scen.max_replicas
     fleet = Fleet(scen.engine_config(max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len),
-                  replicas=c.replicas, scrape_interval=SCRAPE_S, keep_scrapes=False)
+                  replicas=c.replicas, scrape_interval=SCRAPE_S * f, keep_scrapes=False)
     controller = None
     if c.kind in ("auto", "auto-rules"):
-        controller = AutoController(auto_settings(scen, max_replicas, planner=c.kind == "auto"))
+        controller = AutoController(auto_settings(scen, max_replicas, planner=c.kind == "auto", control_scale=f))
     elif c.kind in RIVALS:
-        controller = RIVALS[c.kind](max_replicas=max_replicas, startup_s=REPLICA_STARTUP_S)
+        behavior = rivals.HpaBehavior(sync_s=15.0 * f, scale_down_stabilization_s=300.0 * f)
+        controller = RIVALS[c.kind](max_replicas=max_replicas, startup_s=REPLICA_STARTUP_S * f,
+                                    behavior=behavior, **({"period_s": 30.0 * f} if c.kind == "wva" else {}))
     elif c.kind != "static":
         raise ValueError(f"contender kind must be static, auto, auto-rules or one of {sorted(RIVALS)}, "
                          f"got {c.kind!r}")
@@ -120,11 +134,11 @@ def _run(args) -> dict:
 
 
 def run_many(scen: Scenario, contenders: list[Contender], workers: int | None = None,
-             max_replicas: int | None = None, on_done=None) -> list[dict]:
+             max_replicas: int | None = None, on_done=None, control_scale: float = 1.0) -> list[dict]:
     """Each contender in its own process (the simulator is single-threaded); results in
     the contenders' order. `on_done(result)` is called as each finishes (progress)."""
     workers = workers or max(1, min(len(contenders), os.cpu_count() or 1))
-    jobs = [(scen, c, max_replicas) for c in contenders]
+    jobs = [(scen, c, max_replicas, control_scale) for c in contenders]
     results: list[dict | None] = [None] * len(jobs)
     if workers == 1:
         for k, job in enumerate(jobs):

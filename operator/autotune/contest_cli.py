@@ -65,7 +65,7 @@ def ratios(results: list[dict]) -> dict:
     return out
 
 
-def plot_timeline(r: dict, scen, path: Path, bin_s: float = 30.0) -> None:
+def plot_timeline(r: dict, scen, path: Path, bin_s: float = 30.0, clock: str = "virtual time") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -107,7 +107,7 @@ def plot_timeline(r: dict, scen, path: Path, bin_s: float = 30.0) -> None:
         for a in axes:
             a.axvline(start / 60, color="black", alpha=0.4, ls="--", lw=0.8)
         axes[0].text(start / 60, axes[0].get_ylim()[1] * 0.92, f" {name}", fontsize=8)
-    axes[-1].set_xlabel("minutes (virtual time)")
+    axes[-1].set_xlabel(f"minutes ({clock})")
     o = r["overall"]
     fig.suptitle(f"{SIM_LABEL}: {scen.accelerator}, {scen.model}, scenario {scen.name} - {r['name']}: "
                  f"{o['goodput_per_gpu_hour']:.0f} good req per GPU-hour (red: decisions)", fontsize=9)
@@ -141,6 +141,11 @@ def _cmd(args: argparse.Namespace) -> int:
         raise ValueError(f"workers must be in [1, 64], got {args.workers}")
     if args.time_scale != 1.0:
         scen = scen.scaled(args.time_scale)
+    control_scale = 1.0
+    if args.scale_controls:
+        if not 0 < args.time_scale <= 1:
+            raise ValueError(f"--scale-controls needs a --time-scale in (0, 1], got {args.time_scale}")
+        control_scale = args.time_scale
     contenders = headline_contenders(scen)
     if args.rules_only:
         contenders.append(Contender("auto-rules", scen.max_num_seqs, scen.max_model_len, scen.replicas,
@@ -156,7 +161,7 @@ def _cmd(args: argparse.Namespace) -> int:
         print(f"  [{done[0]}/{len(contenders)}] {r['name']}: {r['overall']['goodput_per_gpu_hour']:.0f} "
               f"good/GPU-h ({r['wall_s']:.0f}s wall)", file=sys.stderr, flush=True)
 
-    results = run_many(scen, contenders, workers=args.workers, on_done=progress)
+    results = run_many(scen, contenders, workers=args.workers, on_done=progress, control_scale=control_scale)
     print()
     headline = [r for r in results if r["kind"] != "static" or r["name"] == "defaults"]
     statics = sorted((r for r in results if r["kind"] == "static" and r["name"] != "defaults"),
@@ -186,7 +191,8 @@ def _cmd(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     slim = [{k: v for k, v in r.items() if k not in ("arrivals", "good_finishes")} for r in results]
     (out / f"contest-{scen.name}.json").write_text(json.dumps(
-        {"simulated": True, "scenario": scen.name, "time_scale": args.time_scale, "ratios": summary,
+        {"simulated": True, "scenario": scen.name, "time_scale": args.time_scale, "control_scale": control_scale,
+         "ratios": summary,
          "results": slim}, indent=1))
     for r in shown:
         slug = "".join(ch if ch.isalnum() else "-" for ch in r["name"].lower()).strip("-")
@@ -200,6 +206,9 @@ def add_parser(sub) -> None:
                                        "in virtual time on a simulated accelerator")
     p.add_argument("--scenario", default="day", help="day, preemption, long-max-model-len, scheduler-bound")
     p.add_argument("--time-scale", type=float, default=1.0, help="every phase this many times as long")
+    p.add_argument("--scale-controls", action="store_true",
+                   help="with --time-scale below 1: every control loop (scrapes, HPA sync and stabilization, "
+                        "Auto's interval, window and cooldown) and pod start-up compressed as much")
     p.add_argument("--sweep", action="store_true", help="also sweep static max_num_seqs x max_model_len x replicas")
     p.add_argument("--sweep-seqs", default="64,128,256,512")
     p.add_argument("--sweep-lens", default="16384,32768")

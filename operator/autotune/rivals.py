@@ -157,16 +157,19 @@ class WvaSaturation:
         return ready
 
 
-def wva(**kw) -> Hpa:
-    """WVA's saturation analyzer every 30 s, its target applied through the HPA."""
+def wva(period_s: float = 30.0, **kw) -> Hpa:
+    """WVA's saturation analyzer every `period_s` over the peaks of twice that, its target
+    applied through the HPA."""
     analyzer = WvaSaturation()
     state = {"desired": 0, "at": -math.inf}
+    span = f"{2 * period_s:g}s"
 
     def metric(t, fleet, prom):
-        if t - state["at"] >= 30.0:
+        if t - state["at"] >= period_s:
             pods = ready_pods(fleet)
-            kv = per_pod(prom, f"max by (pod) (max_over_time(vllm:kv_cache_usage_perc{SELECTOR}[1m]))", t, pods)
-            queue = per_pod(prom, f"max by (pod) (max_over_time(vllm:num_requests_waiting{SELECTOR}[1m]))", t, pods)
+            kv = per_pod(prom, f"max by (pod) (max_over_time(vllm:kv_cache_usage_perc{SELECTOR}[{span}]))", t, pods)
+            queue = per_pod(prom, f"max by (pod) (max_over_time(vllm:num_requests_waiting{SELECTOR}[{span}]))",
+                            t, pods)
             state["desired"] = analyzer.target(kv, queue, state["desired"] or fleet.num_replicas)
             state["at"] = t
         return float(state["desired"]), "total"
