@@ -43,6 +43,7 @@ from trace_replay import GpuLedger, TraceReplayer  # noqa: E402
 
 from kvpilot.engine.sim.scenarios import scenario  # noqa: E402
 from kvpilot.operator.autotune.contest import auto_settings  # noqa: E402
+from kvpilot.operator.autotune.contest_cli import SIM_LABEL  # noqa: E402
 from kvpilot.engine.sim.scoring import RecordedRun, met_slo, score  # noqa: E402
 
 ROOT = ks.ROOT
@@ -51,7 +52,6 @@ POD_START_S = 5.0  # scheduling and starting a simulated pod here, before its mo
 HPA_SYNC_S = 5.0  # the local cluster's --horizontal-pod-autoscaler-sync-period (15 s x 1/3)
 DRAIN_S = 600  # the longest a request may still be in flight after the last arrival
 CONTENDERS = ("defaults", "keda", "auto")
-SIM_LABEL = "SIMULATED accelerator"
 
 
 def load_seconds_for(scale: float) -> float:
