@@ -4,6 +4,7 @@ deletion start and stop processes, ConfigMap changes reach mounted files."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from pathlib import Path
 
@@ -205,3 +206,46 @@ def test_env_args_and_kubectl_logs(cluster, namespace, wait_for):
     venv_python = Path(__file__).resolve().parent.parent / ".venv" / "bin" / "python"
     assert f"key=s3cret mode=fast greeting=hi-{namespace} ns={namespace} path={venv_python}" in out
     assert "mark" in out
+
+
+def test_a_prestop_sleep_keeps_a_deleted_pod_serving(cluster, namespace, wait_for):
+    """The kubelet runs a preStop sleep before SIGTERM, within the grace period: the pod
+    answers for those seconds after its deletion, then stops."""
+    echo_pod = echo_manifests(namespace)[2]["spec"]["template"]
+    spec = json.loads(json.dumps(echo_pod["spec"]))
+    spec["containers"][0]["lifecycle"] = {"preStop": {"sleep": {"seconds": 3}}}
+    cluster.apply([{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "echo-app"},
+                    "data": {"echo_server.py": SERVER}},
+                   {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "echo-message"},
+                    "data": {"message": "hello"}},
+                   {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "slow-stop", "labels": {"app": "x"}},
+                    "spec": spec}], namespace=namespace)
+    kube = cluster.kube()
+
+    def ready_ip():
+        p = kube.get(f"/api/v1/namespaces/{namespace}/pods/slow-stop")
+        ok = any(c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))
+        return ok and p["status"]["podIP"]
+
+    ip = wait_for(ready_ip, timeout=60, what="pod slow-stop Ready")
+    cluster.kubectl("delete", "pod", "slow-stop", "-n", namespace, "--wait=false")
+    deleted = time.monotonic()
+
+    def answers() -> bool:
+        try:
+            return httpx.get(f"http://{ip}:8080/", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    last_answer = deleted
+
+    def stopped() -> bool:
+        nonlocal last_answer
+        if answers():
+            last_answer = time.monotonic()
+            return False
+        return True
+
+    wait_for(stopped, timeout=30, what="the pod to stop after its preStop sleep")
+    # Without the hook the server stops within a moment of SIGTERM.
+    assert last_answer - deleted >= 2.0

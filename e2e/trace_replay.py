@@ -108,7 +108,7 @@ class TraceReplayer:
     async def _one(self, client: aiohttp.ClientSession, url: str, i: int, req: TraceRequest, t0: float) -> None:
         late = max(0.0, time.monotonic() - t0 - req.arrival)
         body = {"model": self.model, "prompt": req.token_ids(i, self.vocab), "max_tokens": req.output_len,
-                "temperature": 0.0, "ignore_eos": req.ignore_eos}
+                "temperature": 0.0, "ignore_eos": req.ignore_eos, "service_tier": req.service_tier}
         try:
             async with client.post(f"{url}/v1/completions", json=body) as resp:
                 if resp.status != 200:

@@ -22,6 +22,7 @@ class FinishedRequest:
     queue_time: float | None
     ttft: float | None
     mean_time_per_output_token: float | None
+    service_tier: str = "default"
 
 
 class LatencySink(Protocol):
@@ -45,5 +46,5 @@ def finished_record(req: Request, reason: str) -> FinishedRequest:
         finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens, num_generation_tokens=n,
         e2e_latency=(end - t.arrival) if end is not None else 0.0, queue_time=queue,
         ttft=(t.first_token - t.arrival) if t.first_token is not None else None,
-        mean_time_per_output_token=tpot,
+        mean_time_per_output_token=tpot, service_tier=req.service_tier,
     )

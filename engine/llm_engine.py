@@ -11,6 +11,7 @@ from .config import EngineConfig
 from .executor import Executor
 from .kv_cache_manager import KVCacheManager
 from .latency import LatencySink, finished_record
+from .metric_buckets import SERVICE_TIERS
 from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestOutput
 from .quantity import format_bytes
@@ -163,9 +164,11 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams,
-        arrival_time: float | None = None,
+        arrival_time: float | None = None, service_tier: str = "default",
     ) -> None:
         """Validate and queue a request (n children for n > 1). ValueError on bad input."""
+        if service_tier not in SERVICE_TIERS:
+            raise ValueError(f"service_tier must be one of {list(SERVICE_TIERS)}, got {service_tier!r}")
         prompt_ids = self.encode_prompt(prompt)
         max_tokens = self.resolve_max_tokens(len(prompt_ids), params)
         if self.outputs.has(request_id):
@@ -180,7 +183,7 @@ class LLMEngine:
             req = Request(
                 request_id=f"{request_id}#{i}", prompt_token_ids=prompt_ids,
                 sampling_params=params, max_tokens=max_tokens, stop_token_ids=stop_ids,
-                seed=base_seed + i,
+                seed=base_seed + i, service_tier=service_tier,
                 generator=self.runner.make_generator(params.seed + i) if params.seed is not None else None,
             )
             req.times.arrival = arrival

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 FINISH_REASONS = ("stop", "length", "abort")
 ENGINE_INDEX = "0"  # vLLM labels every series with the engine core's index
+# OpenAI's service tiers as this server keeps them ("auto" is served as "default"). "flex"
+# traffic tolerates slow answers: the autotuner holds no latency objective for it.
+SERVICE_TIERS = ("default", "flex", "priority")
+FLEX_TIER = "flex"
+TIER_TPOT_METRIC = "kvpilot:request_time_per_output_token_seconds"
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)

@@ -16,6 +16,37 @@ ARCHITECTURES = {
 
 # config.json dtype names -> bytes per element (torch types live in device.py).
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+ROPE_TYPES = ("default", "linear", "llama3")  # what models/rotary.py computes
+
+
+def unimplemented(raw: dict[str, Any]) -> str | None:
+    """Why the engine would compute a different network than this config.json describes
+    (a field it does not implement), or None. Such a model is refused, never served wrong."""
+    window = raw.get("sliding_window")
+    # Mistral applies a window whenever one is set; Qwen2 only with use_sliding_window
+    # (false unless given, as in transformers' Qwen2Config).
+    qwen2 = "Qwen2ForCausalLM" in (raw.get("architectures") or [])
+    if window and raw.get("use_sliding_window", not qwen2) and window < raw.get("max_position_embeddings", 0):
+        return (f"sliding_window={window} (attention limited to the last {window} tokens) is not "
+                f"implemented: outputs past the window would differ from the model's")
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if raw.get(key):
+            return f"{key}={raw[key]} (a mixture of experts) is not implemented; only dense decoders are"
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        return f"hidden_act={act!r} is not implemented (only silu)"
+    if raw.get("mlp_bias"):
+        return "mlp_bias=true is not implemented"
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        return (f"quantization_config (quant_method={method!r}) is not implemented: only float32, "
+                f"bfloat16 and float16 weights are read")
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type not in ROPE_TYPES:
+        return f"rope_scaling type {rope_type!r} is not implemented (only {', '.join(ROPE_TYPES)})"
+    return None
 
 
 @dataclass(frozen=True)
@@ -53,6 +84,9 @@ class ModelConfig:
                 f"config.json: architectures={archs!r} is not supported; "
                 f"supported: {sorted(ARCHITECTURES)}"
             )
+        why = unimplemented(raw)
+        if why is not None:
+            raise ValueError(f"config.json: {why}")
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         eos = raw.get("eos_token_id")

@@ -54,6 +54,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     block_ids: list[int] = field(default_factory=list)  # the block table: physical block per logical
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix index
+    service_tier: str = "default"  # OpenAI's tier, for the per-tier latency metrics
 
     @property
     def all_token_ids(self) -> list[int]:

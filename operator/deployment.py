@@ -20,6 +20,7 @@ MODELS_DIR = "/models"
 SCRATCH_DIR = "/scratch"
 CACHE_DIR = "/var/cache/kvpilot"
 RUN_AS = 65532
+PRESTOP_SLEEP_S = 5  # within terminationGracePeriodSeconds (30)
 SECCOMP = {"type": "RuntimeDefault"}
 
 
@@ -138,6 +139,10 @@ def build_pod_template(owner: Owner, spec: LLMDeploymentSpec) -> dict:
         "livenessProbe": _probe("/health", 10, 6),
         "resources": resources(spec), "securityContext": container_security_context(),
         "volumeMounts": mounts,
+        # A Service's endpoints (and any router's pod list) drop a deleted pod a moment after
+        # the kubelet starts stopping it; serving a few seconds more before SIGTERM means no
+        # request is sent to a server that already refuses new work.
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
     }
     sched = spec.scheduling
     pod_spec: dict = {

@@ -179,6 +179,26 @@ def test_plan_sizes_replicas_to_the_demand_within_the_objective():
     assert "replica" in p.reason and "TPOT" in p.reason
 
 
+def test_a_flex_only_window_plans_the_widest_batch_and_no_headroom():
+    model = StepModel(a=0.006, b=0.0002, c=1e-5, windows=10)
+    kv = dict(kv_cache_bytes=200 * 2000 * 131072 / 0.9, kv_bytes_per_token=131072,
+              prompt_len_mean=1600.0, generation_len_mean=400.0)  # 200 sequences of 2000 tokens fit
+    s = Snapshot(time=0, window_s=60, generation_tokens_per_s=9600, request_rate_per_s=24,
+                 prompt_tokens_per_s=38400, num_waiting=0, num_waiting_now=0, tpot_mean_s=0.03,
+                 tpot_p95_s=None, flex_share=1.0, **kv)
+    cur = Settings(max_num_seqs=256, max_model_len=32768, replicas=1)
+    bounds = Bounds(Range(1, 1024), Range(1024, 32768), Range(1, 8))
+    t = Thresholds(tpot_objective_s=0.05)
+    p = plan(s, cur, bounds, model, t)
+    assert p.max_num_seqs == 200  # as wide as the cache holds, whatever its TPOT
+    per_replica = lambda r: 200 / model.tpot(200, 38400 / r)  # noqa: E731
+    assert p.replicas * per_replica(p.replicas) >= 9600 > (p.replicas - 1) * per_replica(p.replicas - 1)
+    assert "service_tier flex" in p.reason and "no TPOT objective" in p.reason
+    # The same demand with latency-sensitive requests in it is held to the objective.
+    strict = plan(Snapshot(**{**s.__dict__, "tpot_p95_s": 0.03, "flex_share": 0.5}), cur, bounds, model, t)
+    assert strict.replicas > p.replicas and strict.max_num_seqs < 200
+
+
 def _auto(name: str, scale: float) -> dict:
     scen = scenario(name).scaled(scale)
     return run_contender(scen, Contender("auto", scen.max_num_seqs, scen.max_model_len, scen.replicas))

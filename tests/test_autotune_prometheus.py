@@ -52,6 +52,8 @@ def healthy_answers(age=5.0):
         "vllm:prefix_cache_hits_total": scalar(0.6),
         "kvpilot:request_length_refusals_total": [],  # vLLM has no such counter
         "min(timestamp(kvpilot:request_length_refusals_total": [],
+        # A stock vLLM pod: no TPOT by service tier.
+        "min(timestamp(kvpilot:request_time_per_output_token_seconds_count": [],
         "kvpilot:max_num_seqs{": [
             {"metric": {"pod": "tiny-a", "__name__": "kvpilot:max_num_seqs"}, "value": [NOW, "64"]},
             {"metric": {"pod": "tiny-b", "__name__": "kvpilot:max_num_seqs"}, "value": [NOW, "48"]},
@@ -109,7 +111,7 @@ def test_snapshot_from_canned_results():
     assert s.request_len_p99 == 700.0 and s.prefix_hit_rate == 0.6
     assert (s.tpot_p95_s, s.generation_tokens_per_s, s.running_min) == (0.045, 480.0, 9.0)
     assert s.request_latency_mean_s == 2.5  # the canned answer to the whole sum/count query
-    assert s.length_refusals_per_s is None and s.missing == ("length_refusals_per_s",)
+    assert s.length_refusals_per_s is None and s.missing == ("flex_share", "length_refusals_per_s")
     assert s.stale == ()
     assert s.pods == (PodSettings("tiny-a", 64, 2048), PodSettings("tiny-b", 48, 2048))
     assert s.no_data_reason() is None
@@ -121,6 +123,33 @@ def test_snapshot_from_canned_results():
                  "vllm:e2e_request_latency_seconds_count", "kvpilot:max_num_seqs", "kvpilot:max_model_len"):
         assert name in every
     assert all(SEL in q for q, _ in fake.queries)
+
+
+def test_tpot_p95_leaves_out_flex_requests_where_pods_label_the_tier():
+    q = build_queries(Target("demo", "tiny"), 60)
+    assert q["flex_share"] == (
+        f'sum(rate(kvpilot:request_time_per_output_token_seconds_count{{{SEL},service_tier="flex"}}[60s])) / '
+        f"sum(rate(kvpilot:request_time_per_output_token_seconds_count{{{SEL}}}[60s]))")
+    assert 'kvpilot:request_time_per_output_token_seconds_bucket{' + SEL + ',service_tier!="flex"}' in (
+        q["tiered_tpot_p95_s"])
+    answers = healthy_answers()
+    del answers["min(timestamp(kvpilot:request_time_per_output_token_seconds_count"]
+    answers['service_tier="flex"'] = scalar(0.25)
+    answers['service_tier!="flex"'] = scalar(0.031)
+    s = PrometheusReader(FakePrometheus(answers)).snapshot("demo", "tiny", 60)
+    assert s.flex_share == 0.25 and s.tpot_p95_s == 0.031  # not vLLM's 0.045 over every request
+    # Only flex requests finished: no TPOT for an objective to judge, not missing data.
+    answers['service_tier!="flex"'] = scalar("NaN")
+    answers['service_tier="flex"'] = scalar(1.0)
+    s = PrometheusReader(FakePrometheus(answers)).snapshot("demo", "tiny", 60)
+    assert s.flex_share == 1.0 and s.tpot_p95_s is None and s.no_data_reason() is None
+
+
+def test_mean_lengths_come_from_the_token_histograms():
+    q = build_queries(Target("demo", "tiny"), 60)
+    assert q["prompt_len_mean"] == (f"sum(rate(vllm:request_prompt_tokens_sum{{{SEL}}}[60s])) / "
+                                    f"sum(rate(vllm:request_prompt_tokens_count{{{SEL}}}[60s]))")
+    assert q["generation_len_mean"].startswith("sum(rate(vllm:request_generation_tokens_sum{")
 
 
 def test_evaluation_time_is_passed_when_given():

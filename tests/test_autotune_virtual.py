@@ -59,6 +59,17 @@ def test_every_query_the_reader_builds_evaluates():
         db.query("sum(rate(x[5m])", 1.0)
 
 
+def test_negative_label_matchers():
+    db = TSDB()
+    for t in (0.0, 15.0, 30.0):
+        db.add("c", {"tier": "flex"}, t, t)
+        db.add("c", {"tier": "default"}, t, 2 * t)
+        db.add("c", {}, t, 4 * t)
+    assert float(db.query('sum(rate(c{tier!="flex"}[30s]))', 30.0)[0]["value"][1]) == pytest.approx(6.0)
+    both = db.query('c{tier!="default",tier!=""}', 30.0)  # an absent label reads as ""
+    assert [r["metric"] for r in both] == [{"tier": "flex"}]
+
+
 def _fleet(seqs: int, accelerator: str = "h100-80gb", **kw) -> Fleet:
     cfg = EngineConfig(model=None, simulate={"accelerator": accelerator, "model": "llama-3.1-8b"},
                        max_model_len=kw.pop("max_model_len", 8192), max_num_seqs=seqs,
@@ -81,6 +92,25 @@ def test_the_virtual_snapshot_reads_what_the_fleet_did():
     assert snap.request_rate_per_s == pytest.approx(truth_rate, rel=0.3)
     assert snap.kv_cache_bytes and snap.kv_bytes_per_token == 131072
     assert {p.max_num_seqs for p in snap.pods} == {64}
+
+
+def test_flex_requests_leave_the_tpot_objective_to_the_others():
+    def snapshot(phases, window_s):
+        trace = list(generate(phases, seed=3, max_len=8192))
+        fleet = _fleet(64)
+        prom = VirtualPrometheus()
+        fleet.on_scrape = prom.ingest
+        fleet.run(trace)
+        from kvpilot.operator.autotune.prometheus import PrometheusReader
+        return PrometheusReader(prom, scrape_interval_s=5).snapshot("sim", "sim", window_s, at=fleet.now)
+
+    shape = dict(duration=90, input="uniform:200:1000", output="uniform:100:300")
+    mixed = snapshot([Phase(rate=3, **shape), Phase(rate=3, service_tier="flex", **shape)], 150)
+    assert 0 < mixed.flex_share < 1 and mixed.tpot_p95_s is not None
+    batch = snapshot([Phase(rate=4, service_tier="flex", **shape)], 60)
+    assert batch.flex_share == 1.0 and batch.tpot_p95_s is None and batch.no_data_reason() is None
+    assert batch.prompt_len_mean == pytest.approx(600, rel=0.3)
+    assert batch.generation_len_mean == pytest.approx(200, rel=0.3)
 
 
 def _closed_loop(n: int, seed: int = 11) -> list[TraceRequest]:

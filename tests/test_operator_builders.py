@@ -111,6 +111,13 @@ def test_security_context_is_restricted():
     assert all("emptyDir" in v for v in p["volumes"] if v["name"] in ("tmp", "cache"))
 
 
+def test_pods_keep_serving_until_endpoints_drop_them():
+    d = build_deployment(OWNER, spec(), 1)
+    hook = container(d)["lifecycle"]["preStop"]
+    assert hook == {"sleep": {"seconds": 5}}  # the sleep action: no shell needed in the image
+    assert hook["sleep"]["seconds"] < pod(d)["terminationGracePeriodSeconds"]
+
+
 def test_probes_startup_is_generous():
     c = container(build_deployment(OWNER, spec(), 1))
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):

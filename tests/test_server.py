@@ -209,6 +209,7 @@ def _envelope(r: httpx.Response, status: int) -> dict:
     (b'{"model": "tiny", "prompt": []}', "prompt"),
     (b'{"model": "tiny"}', "prompt"),
     (b'{"model": "tiny", "prompt": [99999]}', "prompt"),
+    (b'{"model": "tiny", "prompt": "a", "service_tier": "cheap"}', "service_tier"),
 ])
 def test_bad_input_is_400_in_the_envelope(server, body, param):
     r = httpx.post(server.url + "/v1/completions", content=body,
@@ -281,6 +282,27 @@ def test_metrics_parse_and_carry_every_name(server):
     m = server.metrics()
     assert m["vllm:generation_tokens_total"] > 0 and m["vllm:e2e_request_latency_seconds_count"] > 0
     assert 0.0 <= m["vllm:kv_cache_usage_perc"] <= 1.0
+
+
+def test_service_tier_is_echoed_and_labels_the_tpot_histogram(server):
+    flex = f"kvpilot:request_time_per_output_token_seconds_count{{model_name={MODEL},service_tier=flex}}"
+    default = f"kvpilot:request_time_per_output_token_seconds_count{{model_name={MODEL},service_tier=default}}"
+    before = server.metrics()
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/completions", headers=_auth(), timeout=60, json={**body, "service_tier": "flex"})
+    assert r.status_code == 200 and r.json()["service_tier"] == "flex"
+    chat = httpx.post(server.url + "/v1/chat/completions", headers=_auth(), timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True,
+        "service_tier": "auto"})
+    assert chat.status_code == 200 and chat.json()["service_tier"] == "default"  # auto is served as default
+    plain = httpx.post(server.url + "/v1/completions", headers=_auth(), timeout=60, json=body)
+    assert "service_tier" not in plain.json()  # vLLM's response shape unless a tier was asked for
+    after = server.metrics()
+    assert after[flex] == before[flex] + 1
+    assert after[default] == before[default] + 2
+    # The vLLM histogram still counts every request.
+    vllm = "vllm:request_time_per_output_token_seconds_count"
+    assert after[vllm] == before[vllm] + 3
 
 
 def _ttft(server, prompt_ids: list[int]) -> float:

@@ -128,6 +128,26 @@ def test_detokenize_false_and_final_only_outputs():
         SamplingParams(output_kind="sometimes")
 
 
+def test_a_request_carries_its_service_tier_to_the_latency_sink():
+    engine = LLMEngine(EngineConfig(model=None, simulate=dict(SIM), max_model_len=2048), VirtualClock())
+    finished = []
+
+    class Sink:
+        def record_first_token(self, ttft): pass
+        def record_inter_token(self, latency): pass
+        def record_finished(self, req): finished.append(req)
+
+    engine.latency_sink = Sink()
+    params = SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False)
+    engine.add_request("batch", [5] * 10, params, service_tier="flex")
+    engine.add_request("chat", [6] * 10, params)
+    with pytest.raises(ValueError, match=r"service_tier must be one of \['default', 'flex', 'priority'\]"):
+        engine.add_request("bad", [7] * 10, params, service_tier="auto")  # the server maps auto first
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert sorted(r.service_tier for r in finished) == ["default", "flex"]
+
+
 def test_model_loading_takes_its_simulated_time_on_the_engine_clock():
     clock = VirtualClock()
     LLMEngine(EngineConfig(model=None, simulate={**SIM, "load_seconds": 55}), clock)

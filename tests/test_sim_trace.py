@@ -12,7 +12,7 @@ from kvpilot.engine.sim.trace import Phase, TraceRequest, generate, read_trace, 
 
 def test_a_trace_round_trips_and_sorts_by_arrival(tmp_path):
     reqs = [TraceRequest(2.0, 100, 10), TraceRequest(0.5, 50, 5, "sys", 20),
-            TraceRequest(1.0, 3, 7, prompt_token_ids=(5, 6, 7), ignore_eos=False)]
+            TraceRequest(1.0, 3, 7, prompt_token_ids=(5, 6, 7), ignore_eos=False, service_tier="flex")]
     path = tmp_path / "t.jsonl"
     assert write_trace(path, reqs) == 3
     back = read_trace(path)
@@ -33,6 +33,8 @@ def test_a_trace_round_trips_and_sorts_by_arrival(tmp_path):
      r"line 2: prefix_len \(9\) exceeds the prompt's 5 tokens"),
     ('{"arrival": 1, "prompt_len": 5, "output_len": 3, "colour": "red"}', r"line 2: unknown field\(s\) \['colour'\]"),
     ('{"arrival": 1, "prompt_token_ids": [1, -2], "output_len": 3}', "line 2: prompt_token_ids must be"),
+    ('{"arrival": 1, "prompt_len": 5, "output_len": 3, "service_tier": "auto"}',
+     r"line 2: service_tier must be one of \['default', 'flex', 'priority'\]"),
 ])
 def test_a_malformed_line_names_its_number_and_field(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
@@ -89,10 +91,13 @@ def test_burstier_arrivals_have_more_variable_gaps():
 
 def test_phase_and_length_specs_are_validated():
     assert Phase.parse("duration=60 rate=2 input=fixed:10 name=chat").name == "chat"
+    batch = Phase.parse("duration=60 rate=2 service_tier=flex")
+    assert {r.service_tier for r in generate([batch], seed=1)} == {"flex"}
     for text, message in [("rate=2", "needs duration="), ("duration=60 rate=2 speed=3", "KEY=VALUE"),
                           ("duration=x rate=2", "is not a float"), ("duration=60 rate=-1", "rate must be"),
                           ("duration=60 rate=1 input=gauss:3", "unknown distribution 'gauss'"),
-                          ("duration=60 rate=1 prefix_fraction=2", "prefix_fraction")]:
+                          ("duration=60 rate=1 prefix_fraction=2", "prefix_fraction"),
+                          ("duration=60 rate=1 service_tier=cheap", "service_tier must be one of")]:
         with pytest.raises(ValueError, match=message):
             Phase.parse(text)
     assert OutputLengths.parse("uniform:5:9").sample(0.0) == 5

@@ -30,6 +30,7 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return torch.where(medium, smoothed, scaled)
+    # ModelConfig refuses other types at load (model_config.ROPE_TYPES); this is the backstop.
     raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3)")
 
 

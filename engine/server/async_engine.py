@@ -190,7 +190,7 @@ class AsyncEngine:
 
     # --- loop side -------------------------------------------------------------------
     async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                  arrival_time: float | None = None) -> RequestStream:
+                  arrival_time: float | None = None, service_tier: str = "default") -> RequestStream:
         """Queue a request; ValueError (from the engine's validation) if it is refused."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -199,7 +199,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._pending_adds += 1
-        self._commands.put(lambda: self._do_add(request_id, prompt_ids, params, arrival, fut))
+        self._commands.put(lambda: self._do_add(request_id, prompt_ids, params, arrival, service_tier, fut))
         try:
             await asyncio.wrap_future(fut)
         except BaseException:
@@ -295,11 +295,11 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._deliver, batch)
 
     def _do_add(self, rid: str, prompt_ids: list[int], params: SamplingParams, arrival: float,
-                fut: concurrent.futures.Future) -> None:
+                service_tier: str, fut: concurrent.futures.Future) -> None:
         if not fut.set_running_or_notify_cancel():
             return  # the caller went away before the engine got to it
         try:
-            self.engine.add_request(rid, prompt_ids, params, arrival_time=arrival)
+            self.engine.add_request(rid, prompt_ids, params, arrival_time=arrival, service_tier=service_tier)
         except Exception as exc:
             fut.set_exception(exc)
             return

@@ -8,7 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 from ..latency import FinishedRequest
 from ..metric_buckets import (ENGINE_INDEX, FINISH_REASONS, REQUEST_LATENCY_BUCKETS,  # noqa: F401
-                              SIMULATED_COUNTERS, TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS, buckets_1_2_5)
+                              SERVICE_TIERS, SIMULATED_COUNTERS, TIER_TPOT_METRIC, TOKEN_LATENCY_BUCKETS,
+                              TTFT_BUCKETS, buckets_1_2_5)
 from ..outputs import EngineStats
 
 
@@ -79,6 +80,13 @@ class ServerMetrics:
             "kvpilot:request_length_refusals",
             "Requests refused because prompt + max_tokens exceeds max_model_len.",
             kv_labels, registry=r).labels(model_name)
+        # vLLM's per-request TPOT split by OpenAI service tier: the autotuner holds its TPOT
+        # objective on the tiers that want one, not on "flex" (batch) traffic. Every tier's
+        # series exists from the start, so "no flex request finished" reads as 0, not absent.
+        tier_tpot = Histogram(TIER_TPOT_METRIC, "Histogram of time_per_output_token_seconds per request, "
+                              "by service tier.", kv_labels + ["service_tier"], buckets=TOKEN_LATENCY_BUCKETS,
+                              registry=r)
+        self.tier_tpot = {tier: tier_tpot.labels(model_name, tier) for tier in SERVICE_TIERS}
         self._last: EngineStats | None = None
         self._executor: dict[str, Counter] = {}  # simulated pods only
 
@@ -137,6 +145,7 @@ class ServerMetrics:
         self.req_generation_tokens.observe(req.num_generation_tokens)
         if req.mean_time_per_output_token is not None:
             self.tpot.observe(max(req.mean_time_per_output_token, 0.0))
+            self.tier_tpot[req.service_tier].observe(max(req.mean_time_per_output_token, 0.0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -34,6 +34,9 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    # OpenAI's tiers; "flex" marks traffic that tolerates slow answers (a batch), which the
+    # autotuner then holds to no latency objective. "auto" is served as "default".
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     # vLLM extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -43,6 +46,11 @@ class _Sampling(_Body):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+
+    @property
+    def engine_tier(self) -> str:
+        """The tier the engine serves and labels the request with."""
+        return "default" if self.service_tier in (None, "auto") else self.service_tier
 
 
 class CompletionRequest(_Sampling):

@@ -58,11 +58,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     params = build_params(body, max_tokens=max_tokens, logprobs=top_k if body.logprobs else None)
     prompt_ids = render_chat_prompt(tokenizer, body.messages, body.add_generation_prompt)
     check_length(state, len(prompt_ids), params, max_tokens_field)
-    stream = await admit(state, request, prompt_ids, params, arrival)
+    stream = await admit(state, request, prompt_ids, params, arrival, body.engine_tier)
     reply = Reply(request, stream, id_prefix="chatcmpl",
                   object="chat.completion.chunk" if body.stream else "chat.completion", model=model,
                   num_prompt_tokens=len(prompt_ids),
-                  include_usage=bool(body.stream_options and body.stream_options.include_usage))
+                  include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                  service_tier=body.engine_tier if body.service_tier is not None else None)
     if not body.stream:
         snap = await reply.final()
         if snap is None:

@@ -86,7 +86,7 @@ def check_length(state: ServerState, num_prompt_tokens: int, params: SamplingPar
 
 
 async def admit(state: ServerState, request: Request, prompt_ids: list[int],
-                params: SamplingParams, arrival: float) -> RequestStream:
+                params: SamplingParams, arrival: float, service_tier: str = "default") -> RequestStream:
     """Queue the request in the engine: 503 while draining, 429 when the queue is full."""
     if state.draining:
         raise APIError(503, "the server is shutting down and admits no new requests")
@@ -95,7 +95,7 @@ async def admit(state: ServerState, request: Request, prompt_ids: list[int],
         raise APIError(429, f"the waiting queue is full ({limit} requests); retry later")
     rid = state.engine.unique_request_id(request.headers.get("x-request-id"))
     try:
-        return await state.engine.add(rid, prompt_ids, params, arrival_time=arrival)
+        return await state.engine.add(rid, prompt_ids, params, arrival_time=arrival, service_tier=service_tier)
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
 
@@ -203,11 +203,14 @@ class Reply:
     the JSON body or the SSE stream with its usage chunk."""
 
     def __init__(self, request: Request, stream: RequestStream, *, id_prefix: str, object: str,
-                 model: str, num_prompt_tokens: int, include_usage: bool = False) -> None:
+                 model: str, num_prompt_tokens: int, include_usage: bool = False,
+                 service_tier: str | None = None) -> None:
         self.stream = stream
         rid = stream.request_id
         self.headers = {} if request.headers.get("x-request-id") else {"X-Request-Id": rid}
         self.head = {"id": f"{id_prefix}-{rid}", "object": object, "created": now_s(), "model": model}
+        if service_tier is not None:  # as OpenAI does: the tier that served it, when one was asked for
+            self.head["service_tier"] = service_tier
         self.num_prompt_tokens = num_prompt_tokens
         self.include_usage = include_usage
         self.watcher = asyncio.create_task(watch_disconnect(request, stream))

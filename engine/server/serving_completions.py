@@ -74,13 +74,14 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     prompt_ids, prompt_text = _prompt_ids(body, tokenizer)
     params = build_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
     check_length(state, len(prompt_ids), params)
-    stream = await admit(state, request, prompt_ids, params, arrival)
+    stream = await admit(state, request, prompt_ids, params, arrival, body.engine_tier)
     echo_text = ""
     if body.echo:
         echo_text = prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids)
     reply = Reply(request, stream, id_prefix="cmpl", object="text_completion", model=model,
                   num_prompt_tokens=len(prompt_ids),
-                  include_usage=bool(body.stream_options and body.stream_options.include_usage))
+                  include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                  service_tier=body.engine_tier if body.service_tier is not None else None)
     if not body.stream:
         snap = await reply.final()
         if snap is None:

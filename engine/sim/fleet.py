@@ -110,7 +110,8 @@ class Replica:
             self._refuse(sim, str(exc), now)
             return
         try:
-            self.engine.add_request(rid, req.token_ids(sim.index, vocab), params, arrival_time=now)
+            self.engine.add_request(rid, req.token_ids(sim.index, vocab), params, arrival_time=now,
+                                    service_tier=req.service_tier)
         except ValueError as exc:
             self._refuse(sim, str(exc), now)
             return

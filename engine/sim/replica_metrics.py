@@ -9,8 +9,9 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from ..latency import FinishedRequest
-from ..metric_buckets import (ENGINE_INDEX, FINISH_REASONS, REQUEST_LATENCY_BUCKETS, SIMULATED_COUNTERS,
-                              TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS, buckets_1_2_5)
+from ..metric_buckets import (ENGINE_INDEX, FINISH_REASONS, REQUEST_LATENCY_BUCKETS, SERVICE_TIERS,
+                              SIMULATED_COUNTERS, TIER_TPOT_METRIC, TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS,
+                              buckets_1_2_5)
 from ..outputs import EngineStats
 from .log_histogram import LogHistogram
 
@@ -77,6 +78,7 @@ class ReplicaMetrics:
             "vllm:request_prompt_tokens": Histogram(tokens),
             "vllm:request_generation_tokens": Histogram(tokens),
         }
+        self.tier_tpot = {tier: Histogram(TOKEN_LATENCY_BUCKETS) for tier in SERVICE_TIERS}
         self._ttft = self.histograms["vllm:time_to_first_token_seconds"]
         self._itl = self.histograms["vllm:inter_token_latency_seconds"]
         self.itl_fine = LogHistogram()  # the same gaps at 1 % resolution, for the report
@@ -130,6 +132,7 @@ class ReplicaMetrics:
         h["vllm:request_generation_tokens"].observe(req.num_generation_tokens)
         if req.mean_time_per_output_token is not None:
             h["vllm:request_time_per_output_token_seconds"].observe(max(req.mean_time_per_output_token, 0.0))
+            self.tier_tpot[req.service_tier].observe(max(req.mean_time_per_output_token, 0.0))
 
     # --- a scrape -------------------------------------------------------------------------
     def samples(self) -> list[Sample]:
@@ -155,4 +158,9 @@ class ReplicaMetrics:
         for name, h in self.histograms.items():
             out += [Sample(f"{name}_bucket", {**base, "le": le}, float(n)) for le, n in h.cumulative()]
             out += [Sample(f"{name}_sum", base, h.sum), Sample(f"{name}_count", base, float(h.count))]
+        for tier, h in self.tier_tpot.items():
+            labels = {**own, "service_tier": tier}
+            out += [Sample(f"{TIER_TPOT_METRIC}_bucket", {**labels, "le": le}, float(n)) for le, n in h.cumulative()]
+            out += [Sample(f"{TIER_TPOT_METRIC}_sum", labels, h.sum),
+                    Sample(f"{TIER_TPOT_METRIC}_count", labels, float(h.count))]
         return out

@@ -116,7 +116,9 @@ DAY = Scenario(
               prefix_len=2048, prefix_groups=4, prefix_fraction=0.5),
         Phase(name="burst", duration=300, rate=72, burstiness=0.5, **CHAT),
         Phase(name="quiet", duration=600, rate=0.1, **CHAT),
-        Phase(name="batch", duration=600, rate=16, input="lognormal:1500:0.5", output="lognormal:400:0.5"),
+        # Sent as OpenAI's "flex" tier, as a batch job would: it asks for no latency.
+        Phase(name="batch", duration=600, rate=16, input="lognormal:1500:0.5", output="lognormal:400:0.5",
+              service_tier="flex"),
     ),
     slos=(INTERACTIVE, INTERACTIVE, INTERACTIVE, INTERACTIVE, THROUGHPUT_ONLY),
     max_replicas=8, seed=1,

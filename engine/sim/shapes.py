@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..model_config import DTYPE_BYTES
+from ..model_config import DTYPE_BYTES, unimplemented
 
 
 def _dense(arch: str, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
@@ -87,15 +87,10 @@ class ModelShape:
         missing = [k for k in _REQUIRED if k not in raw]
         if missing:
             raise ValueError(f"simulate_model: {name}: config.json is missing {', '.join(missing)}")
-        # Never model a different network than the config describes.
-        for key in ("num_local_experts", "num_experts", "n_routed_experts"):
-            if raw.get(key):
-                raise ValueError(f"simulate_model: {name}: config.json sets {key}={raw[key]} (a mixture of "
-                                 f"experts); the timing model covers dense decoders only")
-        window = raw.get("sliding_window")
-        if window and raw.get("use_sliding_window", True) and window < raw.get("max_position_embeddings", 0):
-            raise ValueError(f"simulate_model: {name}: config.json sets sliding_window={window}, which "
-                             f"neither the engine nor the timing model implements")
+        # Never model a different network than the config describes (nor serve one).
+        why = unimplemented(raw)
+        if why is not None:
+            raise ValueError(f"simulate_model: {name}: config.json: {why}")
 
         def positive(key: str, value: Any) -> int:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -4,7 +4,8 @@ generator of them from phases of traffic.
 A line: {"arrival": 1.25, "prompt_len": 812, "output_len": 128} with optional
 "prompt_token_ids" (instead of prompt_len), "prefix_id" and "prefix_len" (the first
 prefix_len prompt tokens are the same for every request with that prefix id: a system
-prompt, a RAG preamble) and "ignore_eos" (default true: output_len is exact)."""
+prompt, a RAG preamble), "ignore_eos" (default true: output_len is exact) and
+"service_tier" (OpenAI's: default, flex or priority; "flex" for batch traffic)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from ..metric_buckets import SERVICE_TIERS
 from .tokens import OutputLengths
 
 MAX_TRACE_TOKENS = 1 << 20  # no single prompt or output in a trace exceeds this
@@ -31,6 +33,7 @@ class TraceRequest:
     prefix_len: int = 0
     prompt_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = True
+    service_tier: str = "default"
 
     def token_ids(self, index: int, vocab: tuple[int, int]) -> list[int]:
         """The prompt's token ids: given ones, else deterministic ones, the shared prefix
@@ -53,6 +56,8 @@ class TraceRequest:
             out["prefix_id"], out["prefix_len"] = self.prefix_id, self.prefix_len
         if not self.ignore_eos:
             out["ignore_eos"] = False
+        if self.service_tier != "default":
+            out["service_tier"] = self.service_tier
         return out
 
 
@@ -76,7 +81,8 @@ def parse_trace_line(line: str, where: str) -> TraceRequest:
         raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: a trace line must be a JSON object")
-    known = {"arrival", "prompt_len", "prompt_token_ids", "output_len", "prefix_id", "prefix_len", "ignore_eos"}
+    known = {"arrival", "prompt_len", "prompt_token_ids", "output_len", "prefix_id", "prefix_len", "ignore_eos",
+             "service_tier"}
     unknown = sorted(set(obj) - known)
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {unknown}; known: {sorted(known)}")
@@ -109,8 +115,11 @@ def parse_trace_line(line: str, where: str) -> TraceRequest:
     ignore_eos = obj.get("ignore_eos", True)
     if not isinstance(ignore_eos, bool):
         raise ValueError(f"{where}: ignore_eos must be true or false")
+    tier = obj.get("service_tier", "default")
+    if tier not in SERVICE_TIERS:
+        raise ValueError(f"{where}: service_tier must be one of {list(SERVICE_TIERS)}, got {tier!r}")
     return TraceRequest(float(arrival), prompt_len, _int_field(obj, "output_len", where, 1),
-                        prefix_id, prefix_len, tuple(ids) if ids is not None else None, ignore_eos)
+                        prefix_id, prefix_len, tuple(ids) if ids is not None else None, ignore_eos, tier)
 
 
 def read_trace(path: str | Path) -> list[TraceRequest]:
@@ -153,6 +162,7 @@ class Phase:
     prefix_groups: int = 1
     prefix_fraction: float = 1.0
     name: str = ""
+    service_tier: str = "default"  # every request of the phase is sent with it
     input_lengths: OutputLengths = field(init=False, repr=False, compare=False)
     output_lengths: OutputLengths = field(init=False, repr=False, compare=False)
 
@@ -169,6 +179,8 @@ class Phase:
             raise ValueError(f"{where}: prefix_groups must be an integer >= 1, got {self.prefix_groups!r}")
         if not 0 <= self.prefix_fraction <= 1:
             raise ValueError(f"{where}: prefix_fraction must be in [0, 1], got {self.prefix_fraction!r}")
+        if self.service_tier not in SERVICE_TIERS:
+            raise ValueError(f"{where}: service_tier must be one of {list(SERVICE_TIERS)}, got {self.service_tier!r}")
         object.__setattr__(self, "input_lengths", OutputLengths.parse(self.input, f"{where}: input"))
         object.__setattr__(self, "output_lengths", OutputLengths.parse(self.output, f"{where}: output"))
 
@@ -177,7 +189,8 @@ class Phase:
         """`duration=600 rate=4 input=lognormal:1000:0.6 output=uniform:50:300 ...`"""
         kwargs: dict = {}
         types = {"duration": float, "rate": float, "burstiness": float, "prefix_len": int,
-                 "prefix_groups": int, "prefix_fraction": float, "input": str, "output": str, "name": str}
+                 "prefix_groups": int, "prefix_fraction": float, "input": str, "output": str, "name": str,
+                 "service_tier": str}
         for item in text.split():
             key, sep, value = item.partition("=")
             if not sep or key not in types:
@@ -215,5 +228,5 @@ def generate(phases: list[Phase], seed: int = 0, max_len: int | None = None) -> 
                 prompt = min(prompt, max_len - 1)
                 output = max(1, min(output, max_len - prompt))
                 prefix_len = min(prefix_len, prompt)
-            yield TraceRequest(round(t, 6), prompt, output, prefix_id, prefix_len)
+            yield TraceRequest(round(t, 6), prompt, output, prefix_id, prefix_len, service_tier=ph.service_tier)
         start = end

@@ -19,7 +19,12 @@ The plan: the fewest replicas R (within bounds) whose width x* = the largest x w
 TPOT(x, p/R) <= objective x target ratio (and whose sequences fit the KV cache) carries
 the demand: R x x* / TPOT >= output tokens/s + the backlog drained over `drain_s`, with
 headroom. max_num_seqs becomes x*: a wider batch would break the objective, a queue
-beyond it is the replica count's job."""
+beyond it is the replica count's job.
+
+A window in which only requests of OpenAI's "flex" tier finished (a batch job) holds no
+latency objective: x* is then as wide as the KV cache holds, where a replica makes the
+most tokens per second, and the fewest replicas that carry the demand at that width are
+planned."""
 
 from __future__ import annotations
 
@@ -37,7 +42,9 @@ class PlannerSettings:
     prior_weight: float = 0.5  # the prior counts as this many windows
     headroom: float = 0.25  # scale out to carry demand x (1 + headroom)
     scale_in_headroom: float = 0.5  # scale in only when fewer replicas carry demand x (1 + this)
+    flex_scale_in_headroom: float = 0.1  # the same for a flex-only window (which plans no headroom)
     drain_s: float = 30.0  # the queue at the window's end is served within this
+    flex_drain_s: float = 600.0  # ... or this, in a flex-only window (a batch waits; GPUs cost)
     kv_fill: float = 0.9  # x* never plans the KV cache fuller than this
     seq_dead_band: float = 0.15  # max_num_seqs moves only when the plan differs by more
     min_spread: float = 0.6  # the mean TPOT is aimed at no less than this x the p95 objective
@@ -152,13 +159,23 @@ def _p95_after(s: Snapshot, cur: Settings, replicas: int, model: StepModel) -> f
 
 
 def kv_width(s: Snapshot, ps: PlannerSettings) -> float:
-    """Sequences that fit the smallest pod's cache at the observed mean length."""
+    """Sequences that fit the smallest pod's cache at the observed mean length: the finished
+    requests' own, else tokens processed per finished request (which a phase change skews:
+    the new phase's prompts are processed long before its requests finish)."""
     if not s.kv_cache_bytes or not s.kv_bytes_per_token or not s.request_rate_per_s:
         return math.inf
-    per_request = ((s.prompt_tokens_per_s or 0.0) + (s.generation_tokens_per_s or 0.0)) / s.request_rate_per_s
+    if s.prompt_len_mean and s.generation_len_mean:
+        per_request = s.prompt_len_mean + s.generation_len_mean
+    else:
+        per_request = ((s.prompt_tokens_per_s or 0.0) + (s.generation_tokens_per_s or 0.0)) / s.request_rate_per_s
     if per_request <= 0:
         return math.inf
     return ps.kv_fill * s.kv_cache_bytes / s.kv_bytes_per_token / per_request
+
+
+def latency_free(s: Snapshot) -> bool:
+    """Whether every request that finished in the window asked for no latency ("flex")."""
+    return s.tpot_p95_s is None and (s.flex_share or 0.0) > 0
 
 
 def plan(s: Snapshot, cur: Settings, bounds: Bounds, model: StepModel, t: Thresholds,
@@ -167,12 +184,15 @@ def plan(s: Snapshot, cur: Settings, bounds: Bounds, model: StepModel, t: Thresh
     the objective or the demand is unknown."""
     if t.tpot_objective_s is None or not s.generation_tokens_per_s or not s.request_rate_per_s:
         return None
+    throughput_only = latency_free(s)
     # The objective is on the p95 of per-request TPOT, the model on the mean: aim the mean
     # at the objective scaled by this window's mean/p95 (prompts stretch some requests more).
     # Bounded: under a backlog the p95 runs away from the mean for reasons width cannot fix.
     spread = (s.tpot_mean_s / s.tpot_p95_s) if s.tpot_mean_s and s.tpot_p95_s else 1.0
     goal_p95 = t.tpot_objective_s * t.tpot_target_ratio
     goal = goal_p95 * min(1.0, max(ps.min_spread, spread))
+    # Tokens processed per finished request: above the requests' own lengths while a ramp's
+    # requests are in flight, which plans a ramp's capacity before its requests finish.
     out_per_request = s.generation_tokens_per_s / s.request_rate_per_s
     prompt_per_request = (s.prompt_tokens_per_s or 0.0) / s.request_rate_per_s
     waiting_now = s.num_waiting_now or 0.0
@@ -180,24 +200,34 @@ def plan(s: Snapshot, cur: Settings, bounds: Bounds, model: StepModel, t: Thresh
     # sits half a window back); a growing queue is demand the served rate does not show.
     growth = max(0.0, 2.0 * (waiting_now - (s.num_waiting or 0.0)) / s.window_s)
     arrivals = s.request_rate_per_s + growth
-    drain = waiting_now / ps.drain_s
+    drain_s = ps.flex_drain_s if throughput_only else ps.drain_s
+    drain = waiting_now / drain_s
     demand = (arrivals + drain) * out_per_request
     prompt = (arrivals + drain) * prompt_per_request
     kv_cap = kv_width(s, ps)
     lo, hi = (cur.replicas, cur.replicas) if cur.hpa_owns_scale else (bounds.replicas.min, bounds.replicas.max)
 
     def width(r: int) -> float:
+        if throughput_only:  # the widest batch makes the most tokens/s; no TPOT to keep
+            return min(kv_cap, bounds.max_num_seqs.max)
         return min(model.width_for(goal, prompt / r), kv_cap, bounds.max_num_seqs.max)
+
+    def step_s(r: int) -> float:
+        return model.tpot(width(r), prompt / r) if throughput_only else goal
 
     def carries(r: int, margin: float) -> bool:
         x = width(r)
-        return x >= 1 and r * x / goal >= demand * (1 + margin)
+        return x >= 1 and r * x / step_s(r) >= demand * (1 + margin)
 
-    need = next((r for r in range(lo, hi + 1) if carries(r, ps.headroom)), None)
+    # Headroom buys latency under fluctuation; flex traffic asked for none, so its plan
+    # carries the demand itself, and scales in within the HPA's 10 % tolerance of it.
+    out_margin = 0.0 if throughput_only else ps.headroom
+    in_margin = ps.flex_scale_in_headroom if throughput_only else ps.scale_in_headroom
+    need = next((r for r in range(lo, hi + 1) if carries(r, out_margin)), None)
     short = need is None  # even the most replicas cannot carry it within the objective
     need = hi if need is None else need
-    if need < cur.replicas and not (carries(need, ps.scale_in_headroom)
-                                    and _p95_after(s, cur, need, model) <= goal_p95):
+    if need < cur.replicas and not (carries(need, in_margin)
+                                    and (throughput_only or _p95_after(s, cur, need, model) <= goal_p95)):
         need = cur.replicas  # fewer would carry it, but without the scale-in margin: stay
     x = width(need)
     seqs = bounds.max_num_seqs.clamp(max(1, math.floor(x)) if math.isfinite(x) else bounds.max_num_seqs.max)
@@ -208,10 +238,16 @@ def plan(s: Snapshot, cur: Settings, bounds: Bounds, model: StepModel, t: Thresh
         seqs = max(seqs, cur.max_num_seqs, widest)
     if abs(seqs - cur.max_num_seqs) <= ps.seq_dead_band * cur.max_num_seqs:
         seqs = cur.max_num_seqs
-    why = (f"{model}; demand {arrivals:.1f} req/s arriving + {waiting_now:.0f} queued over {ps.drain_s:.0f}s = "
-           f"{demand:.0f} output and {prompt:.0f} prompt tok/s: "
-           f"{need} replica(s) at <= {x:.0f} running each keep mean TPOT <= {1000 * goal:.0f}ms "
-           f"and carry {need * x / goal if math.isfinite(x) else math.inf:.0f} tok/s")
+    carried = need * x / step_s(need) if math.isfinite(x) else math.inf
+    why = (f"{model}; demand {arrivals:.1f} req/s arriving + {waiting_now:.0f} queued over {drain_s:.0f}s = "
+           f"{demand:.0f} output and {prompt:.0f} prompt tok/s: ")
+    if throughput_only:
+        why += (f"only service_tier flex requests finished ({s.flex_share:.0%}), so no TPOT objective holds; "
+                f"{need} replica(s) at <= {x:.0f} running each (TPOT ~{1000 * step_s(need):.0f}ms) "
+                f"carry {carried:.0f} tok/s")
+    else:
+        why += (f"{need} replica(s) at <= {x:.0f} running each keep mean TPOT <= {1000 * goal:.0f}ms "
+                f"and carry {carried:.0f} tok/s")
     if short:
         why += f"; short of capacity even at {hi} replicas, so the batch is not narrowed"
     if kv_cap < math.inf and x >= kv_cap - 1e-9:

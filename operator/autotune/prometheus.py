@@ -8,7 +8,11 @@ config's relabelling) and aggregates over the pods:
 - preemptions/s: sum of rate(vllm:num_preemptions_total);
 - queue time, TTFT and TPOT p95: histogram_quantile over the summed bucket rates (TPOT
   is vllm:request_time_per_output_token_seconds, each request's mean: the quantity a
-  TPOT objective and the benchmark's goodput judge);
+  TPOT objective and the benchmark's goodput judge). Where the pods also export it by
+  OpenAI service tier (kvpilot:request_time_per_output_token_seconds{service_tier}), TPOT
+  p95 is read over the tiers other than "flex": batch traffic sent as flex asks for no
+  latency, so it must not hold the batch narrow. The flex share of finished requests
+  comes from the same histogram's counts;
 - output tokens/s: sum of rate(vllm:generation_tokens_total) (the throughput guard);
 - running at the emptiest moment: each pod's min_over_time of vllm:num_requests_running,
   summed over pods; 0 says load began or paused within the window;
@@ -24,6 +28,9 @@ config's relabelling) and aggregates over the pods:
   = 0.005 + 0.005, so the sum of the two p99.5s is at least the p99 of the total: a
   conservative (never too short) length. Quantiles within a bucket are interpolated,
   which the 1-2-5 token buckets make coarse; the headroom factor covers that;
+- mean prompt and generation lengths: each token histogram's rate(_sum) / rate(_count)
+  (for the deployment model: how many requests start per second, how many sequences the
+  cache fits);
 - prefix-cache hit rate: rate of hits / rate of queries (None with no queries);
 - length refusals/s: a configurable expression; vLLM exports no such counter, so when
   its series is absent the signal is None (the raise-on-refusal rule stays off);
@@ -44,6 +51,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvpilot.engine.metric_buckets import FLEX_TIER, TIER_TPOT_METRIC  # the metric contract
 from .signals import PodSettings, Snapshot
 
 
@@ -68,16 +76,22 @@ SOURCES = {
     "request_rate_per_s": "vllm:e2e_request_latency_seconds_count",
     "request_latency_mean_s": "vllm:e2e_request_latency_seconds_count",
     "request_len_p99": "vllm:request_prompt_tokens_bucket",
+    "prompt_len_mean": "vllm:request_prompt_tokens_count",
+    "generation_len_mean": "vllm:request_generation_tokens_count",
     "prefix_hit_rate": "vllm:prefix_cache_queries_total",
     "kv_cache_bytes": "kvpilot:kv_cache_bytes",
     "kv_bytes_per_token": "kvpilot:kv_cache_bytes_per_token",
     "num_waiting_now": "vllm:num_requests_waiting",
     "prompt_tokens_per_s": "vllm:prompt_tokens_total",
     "tpot_mean_s": "vllm:request_time_per_output_token_seconds_count",
+    "flex_share": f"{TIER_TPOT_METRIC}_count",
 }
 # Second sources of two-metric signals (also checked).
 EXTRA_SOURCES = {"request_len_p99": "vllm:request_generation_tokens_bucket",
                  "prefix_hit_rate": "vllm:prefix_cache_hits_total"}
+# Not a Snapshot field: TPOT p95 over the tiers other than flex, which replaces tpot_p95_s
+# where the pods export TPOT by tier.
+TIERED_TPOT_P95 = "tiered_tpot_p95_s"
 SETTINGS_METRICS = {"max_num_seqs": "kvpilot:max_num_seqs", "max_model_len": "kvpilot:max_model_len"}
 DEFAULT_REFUSAL_METRIC = "kvpilot:request_length_refusals_total"
 
@@ -132,6 +146,9 @@ def build_queries(target: Target, window_s: float, refusal_metric: str = DEFAULT
                                    f"{rate('vllm:e2e_request_latency_seconds_count')}"),
         "request_len_p99": (f"{quantile(0.995, 'vllm:request_prompt_tokens')}"
                             f" + {quantile(0.995, 'vllm:request_generation_tokens')}"),
+        "prompt_len_mean": f"{rate('vllm:request_prompt_tokens_sum')} / {rate('vllm:request_prompt_tokens_count')}",
+        "generation_len_mean": (f"{rate('vllm:request_generation_tokens_sum')} / "
+                                f"{rate('vllm:request_generation_tokens_count')}"),
         "prefix_hit_rate": f"{rate('vllm:prefix_cache_hits_total')} / {rate('vllm:prefix_cache_queries_total')}",
         "length_refusals_per_s": rate(refusal_metric),
         "kv_cache_bytes": f"min(kvpilot:kv_cache_bytes{{{sel}}})",
@@ -140,6 +157,10 @@ def build_queries(target: Target, window_s: float, refusal_metric: str = DEFAULT
         "prompt_tokens_per_s": rate("vllm:prompt_tokens_total"),
         "tpot_mean_s": (f"{rate('vllm:request_time_per_output_token_seconds_sum')} / "
                         f"{rate('vllm:request_time_per_output_token_seconds_count')}"),
+        "flex_share": (f'sum(rate({TIER_TPOT_METRIC}_count{{{sel},service_tier="{FLEX_TIER}"}}[{w}])) / '
+                       f"{rate(TIER_TPOT_METRIC + '_count')}"),
+        TIERED_TPOT_P95: (f'histogram_quantile(0.95, sum by (le) (rate({TIER_TPOT_METRIC}_bucket'
+                          f'{{{sel},service_tier!="{FLEX_TIER}"}}[{w}])))'),
     }
 
 
@@ -218,6 +239,9 @@ class PrometheusReader:
                 stale.append(field)
         for field in missing + stale:
             values[field] = None
+        tiered = values.pop(TIERED_TPOT_P95, None)
+        if "flex_share" not in missing and "tpot_p95_s" not in missing + stale:
+            values["tpot_p95_s"] = tiered  # None when only flex requests finished
 
         pods: dict[str, dict] = {}
         for setting, q in build_settings_queries(target).items():

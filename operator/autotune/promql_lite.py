@@ -2,7 +2,7 @@
 autotuner's reader builds (prometheus.py), with Prometheus's own semantics, so that
 the policy can read a simulated fleet in virtual time through the very same reader.
 
-Supported: selectors `name{label="value",...}` with an optional range `[Ns]`;
+Supported: selectors `name{label="value",label!="value",...}` with an optional range `[Ns]`;
 rate, avg_over_time, max_over_time, min_over_time, timestamp; sum, avg, min, max (with
 `by (labels)`); histogram_quantile; binary + - * / between single-sample vectors or
 scalars. rate() extrapolates as Prometheus does (extrapolatedRate); histogram_quantile
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 LOOKBACK_S = 300.0
 _TOKEN = re.compile(r"\s*(?:(?P<num>\d+(?:\.\d+)?(?:e[+-]?\d+)?)|(?P<dur>\[\d+(?:ms|s|m|h)\])|"
-                    r"(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)|(?P<str>\"(?:[^\"\\]|\\.)*\")|(?P<op>[(){},=+\-*/]))")
+                    r"(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)|(?P<str>\"(?:[^\"\\]|\\.)*\")|(?P<op>!=|[(){},=+\-*/]))")
 _UNIT = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -154,12 +154,17 @@ class Selector:
     name: str
     matchers: dict[str, str]
     range_s: float | None = None
+    excluded: tuple[tuple[str, str], ...] = ()  # (label, value) for label != value; absent reads as ""
+
+    def series(self, db: TSDB) -> list[Series]:
+        return [s for s in db.select(self.name, self.matchers)
+                if all(s.labels.get(k, "") != v for k, v in self.excluded)]
 
     def eval(self, db: TSDB, at: float) -> Vector:
         if self.range_s is not None:
             raise ValueError(f"range selector {self.name}[...] needs a function")
         out = []
-        for s in db.select(self.name, self.matchers):
+        for s in self.series(db):
             ts, vs = s.window(at - LOOKBACK_S, at)
             if ts and s.live_at(at):
                 out.append((s.labels, vs[-1]))
@@ -186,7 +191,7 @@ class Call:
         if f == "timestamp":
             inner = self.args[0]
             out = []
-            for s in db.select(inner.name, inner.matchers):
+            for s in inner.series(db):
                 ts, _ = s.window(at - LOOKBACK_S, at)
                 if ts and s.live_at(at):
                     out.append((_drop_name(s.labels), ts[-1]))
@@ -195,7 +200,7 @@ class Call:
         if not isinstance(sel, Selector) or sel.range_s is None:
             raise ValueError(f"{f}() takes a range selector")
         start, out = at - sel.range_s, []
-        for s in db.select(sel.name, sel.matchers):
+        for s in sel.series(db):
             ts, vs = s.window(start, at)
             if f == "rate":
                 v = extrapolated_rate(ts, vs, start, at)
@@ -358,12 +363,18 @@ class _Parser:
             self._take(")")
             return Call(value, args)
         matchers: dict[str, str] = {}
+        excluded: list[tuple[str, str]] = []
         if self._peek("{"):
             self._take("{")
             while not self._peek("}"):
                 label = self._take()[1]
-                self._take("=")
-                matchers[label] = self._take()[1][1:-1].replace('\\"', '"').replace("\\\\", "\\")
+                negated = self._peek("!=") is not None
+                self._take("!=" if negated else "=")
+                text = self._take()[1][1:-1].replace('\\"', '"').replace("\\\\", "\\")
+                if negated:
+                    excluded.append((label, text))
+                else:
+                    matchers[label] = text
                 if self._peek(","):
                     self._take(",")
             self._take("}")
@@ -372,4 +383,4 @@ class _Parser:
             text = self._take()[1][1:-1]
             unit = next(u for u in ("ms", "s", "m", "h") if text.endswith(u))
             range_s = float(text[: -len(unit)]) * _UNIT[unit]
-        return Selector(value, matchers, range_s)
+        return Selector(value, matchers, range_s, tuple(excluded))

@@ -22,7 +22,8 @@ OPTIONAL_SIGNALS = ("ttft_p95_s", "tpot_p95_s", "generation_tokens_per_s", "runn
                     "request_latency_mean_s",
                     "request_len_p99", "prefix_hit_rate", "length_refusals_per_s",
                     "kv_cache_bytes", "kv_bytes_per_token", "prompt_tokens_per_s", "tpot_mean_s",
-                    "num_waiting_now")
+                    "num_waiting_now", "flex_share", "prompt_len_mean",
+                    "generation_len_mean")
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,12 @@ class Snapshot:
     preemptions_per_s: float | None = None
     queue_time_p95_s: float | None = None
     ttft_p95_s: float | None = None
-    tpot_p95_s: float | None = None  # p95 over requests of each one's mean time per output token
+    # p95 over requests of each one's mean time per output token: the requests a TPOT objective
+    # covers, so all but OpenAI's "flex" tier where the pods export TPOT by tier (kvpilot's do).
+    tpot_p95_s: float | None = None
+    # The share of the window's finished requests (with 2+ output tokens) sent as "flex";
+    # None where the pods do not label TPOT by tier, or none finished.
+    flex_share: float | None = None
     generation_tokens_per_s: float | None = None  # output tokens/s: the throughput guard
     # Requests running (summed over pods) at each pod's emptiest sample of the window: 0
     # means load began or paused inside it, so the window is not one of steady load.
@@ -67,6 +73,9 @@ class Snapshot:
     request_rate_per_s: float | None = None
     request_latency_mean_s: float | None = None  # mean end-to-end latency of the finished requests
     request_len_p99: float | None = None  # prompt + generation tokens
+    # Mean prompt and generation tokens of the window's finished requests.
+    prompt_len_mean: float | None = None
+    generation_len_mean: float | None = None
     prefix_hit_rate: float | None = None  # 0..1
     length_refusals_per_s: float | None = None
     # The pods' own KV sizing (kvpilot:kv_cache_bytes, kvpilot:kv_cache_bytes_per_token): the

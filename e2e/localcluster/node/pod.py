@@ -25,6 +25,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpilot.node")
 
 
+
+def prestop_sleep_s(spec: dict) -> float:
+    """Seconds of a container's `lifecycle.preStop.sleep` hook (0 without one). Other hook
+    actions (exec, httpGet) are not run by this node; they are logged and skipped."""
+    hook = (spec.get("lifecycle") or {}).get("preStop") or {}
+    if not hook:
+        return 0.0
+    if "sleep" not in hook:
+        log.warning("container %s: preStop %s is not supported by this node; skipped", spec.get("name"),
+                    sorted(hook))
+        return 0.0
+    return float(hook["sleep"].get("seconds", 0))
+
 class PodWorker(threading.Thread):
     def __init__(self, node: "Node", pod: dict):
         meta = pod["metadata"]
@@ -244,9 +257,14 @@ class PodWorker(threading.Thread):
 
     def _stop_containers(self, cs: list[Container], grace: float) -> None:
         running = [c for c in cs if c.running]
+        deadline = time.monotonic() + grace
+        # preStop hooks first, within the grace period, as the kubelet runs them (only the
+        # sleep action here: it is what gives endpoints time to drop the pod before SIGTERM).
+        hook_end = time.monotonic() + min(grace, max([prestop_sleep_s(c.spec) for c in running] + [0.0]))
+        while any(c.running for c in running) and time.monotonic() < hook_end:
+            time.sleep(0.05)
         for c in running:
             c.signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
         while any(c.running for c in running) and time.monotonic() < deadline:
             time.sleep(0.05)
         for c in running:
