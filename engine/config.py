@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from .quantity import parse_bytes
 from .sim.config import SimulationConfig
+from .validation import positive_int
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
@@ -51,20 +52,14 @@ class EngineConfig:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            positive_int(name, getattr(self, name))
         if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or not isinstance(
                 self.cpu_threads, int) or not 1 <= self.cpu_threads <= 1024):
             raise ValueError(f"cpu_threads must be an integer in [1, 1024], got {self.cpu_threads!r}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
-        if self.max_model_len is not None and (
-            isinstance(self.max_model_len, bool)
-            or not isinstance(self.max_model_len, int)
-            or self.max_model_len < 1
-        ):
-            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if self.max_model_len is not None:
+            positive_int("max_model_len", self.max_model_len)
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes("kv_cache_memory", self.kv_cache_memory)
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:

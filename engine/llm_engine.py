@@ -19,6 +19,7 @@ from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerLimits
 from .tokenizer import Tokenizer
+from .validation import positive_int
 
 log = logging.getLogger("kvpilot.engine")
 
@@ -112,13 +113,10 @@ class LLMEngine:
 
     def update_limits(self, *, max_num_seqs: int | None = None, max_model_len: int | None = None) -> None:
         """Apply live-tunable limits; ValueError (naming the field) leaves both unchanged."""
-        if max_num_seqs is not None and (
-            isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1
-        ):
-            raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+        if max_num_seqs is not None:
+            positive_int("max_num_seqs", max_num_seqs)
         if max_model_len is not None:
-            if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
-                raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
+            positive_int("max_model_len", max_model_len)
             if max_model_len > self.max_position_embeddings:
                 raise ValueError(
                     f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from .tiny_tokenizer import (BOS_TOKEN, EOS_TOKEN, IM_END, MIN_VOCAB, SPECIAL_TOKENS,
                              tokenizer_config, train_tokenizer)
+from .validation import positive_int
 
 ARCHS = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -99,8 +100,7 @@ def _validate(arch, layers, hidden, heads, kv_heads, intermediate, vocab, seed, 
     for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads),
                         ("kv_heads", kv_heads), ("intermediate", intermediate),
                         ("vocab", vocab), ("max_position_embeddings", max_position_embeddings)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
+        positive_int(name, value)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed={seed!r} must be an integer")
     if hidden % heads:

@@ -8,13 +8,14 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from ..outputs import TokenLogprob
+from ..sampling_params import MAX_LOGPROBS
 from .errors import APIError
 from .protocol import ChatCompletionRequest, ChatMessage
 from .serving_common import (
     DeltaTracker, Reply, ServerState, admit, build_params, check_length, check_model,
 )
 
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = MAX_LOGPROBS  # the engine's own limit
 
 
 def render_chat_prompt(tokenizer, messages: list[ChatMessage],

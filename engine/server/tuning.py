@@ -15,6 +15,8 @@ import json
 import logging
 from pathlib import Path
 
+from ..validation import positive_int
+
 log = logging.getLogger("kvpilot.server.tuning")
 
 LIVE_SETTINGS = ("max_num_seqs", "max_model_len")
@@ -38,9 +40,10 @@ def parse_tuning(raw: bytes) -> dict[str, int]:
         value = data.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise TuningError(f"{key} must be a positive integer, got {value!r}")
-        wanted[key] = value
+        try:
+            wanted[key] = positive_int(key, value)
+        except ValueError as exc:
+            raise TuningError(str(exc)) from None
     unknown = sorted(set(data) - set(LIVE_SETTINGS))
     if unknown:
         log.info("tuning file: ignoring settings this engine cannot change live: %s", ", ".join(unknown))

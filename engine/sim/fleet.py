@@ -20,6 +20,7 @@ from ..llm_engine import LLMEngine
 from ..sampling_params import SamplingParams
 from .replica_metrics import ReplicaMetrics, Sample
 from .trace import TraceRequest
+from ..validation import positive_int
 
 ROUTERS = ("round-robin", "least-loaded")
 
@@ -144,13 +145,11 @@ class Fleet:
             raise ValueError("the fleet simulator needs a simulated accelerator (simulate=...)")
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-            raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
+        positive_int("replicas", replicas)
         if scrape_interval is not None and not scrape_interval > 0:
             raise ValueError(f"scrape_interval must be positive, got {scrape_interval!r}")
-        if max_concurrency is not None and (isinstance(max_concurrency, bool) or not isinstance(
-                max_concurrency, int) or max_concurrency < 1):
-            raise ValueError(f"max_concurrency must be a positive integer, got {max_concurrency!r}")
+        if max_concurrency is not None:
+            positive_int("max_concurrency", max_concurrency)
         # Closed loop, as `bench serve --max-concurrency`: a request is sent once one of
         # the slots is free; the heap holds the times the free slots became free.
         self._slots: list[float] | None = [0.0] * max_concurrency if max_concurrency else None

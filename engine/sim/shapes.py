@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..model_config import DTYPE_BYTES, unimplemented
+from ..validation import positive_int
 
 
 def _dense(arch: str, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
@@ -93,9 +94,7 @@ class ModelShape:
             raise ValueError(f"simulate_model: {name}: config.json: {why}")
 
         def positive(key: str, value: Any) -> int:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"simulate_model: {name}: {key} must be a positive integer, got {value!r}")
-            return value
+            return positive_int(key, value, where=f"simulate_model: {name}: ")
 
         heads = positive("num_attention_heads", raw["num_attention_heads"])
         hidden = positive("hidden_size", raw["hidden_size"])
