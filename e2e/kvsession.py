@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from localcluster import LocalCluster, wait_for  # noqa: E402
 from localcluster.cluster import ClusterError  # noqa: E402
+from background import AsyncWorker  # noqa: E402
 from timeline import Change, Sample  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -272,42 +273,24 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
                           output_tokens=r.output_tokens or 0, error=r.error)
 
 
-class LoadDriver:
+class LoadDriver(AsyncWorker):
     """Sends a Workload round-robin over the deployment's Ready pods (re-listed every
     few seconds, so new replicas get traffic) from a background thread."""
 
+    thread_name = "load"
+
     def __init__(self, urls_fn: Callable[[], list[str]], model: str, workload: Workload,
                  progress: Callable[[int, int], None] | None = None, loop_forever: bool = False):
+        super().__init__()
         self.urls_fn, self.model, self.workload = urls_fn, model, workload
         self.progress = progress
         self.loop_forever = loop_forever
         self.results: list[RequestOutcome] = []
         self.started = self.finished = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
 
     def start(self) -> "LoadDriver":
-        self._thread = threading.Thread(target=self._run, name="load", daemon=True)
-        self._thread.start()
+        self._start()
         return self
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def join(self, timeout: float | None = None) -> bool:
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    @property
-    def done(self) -> bool:
-        return self._thread is not None and not self._thread.is_alive()
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._main())
-        except BaseException as e:  # reported by the caller
-            self.error = e
 
     async def _main(self) -> None:
         w = self.workload

@@ -19,45 +19,34 @@ from kvpilot.engine.server.server_timing import parse_server_timing
 from kvpilot.engine.sim.fleet import SimRequest
 from kvpilot.engine.sim.trace import TraceRequest
 
+from background import AsyncWorker
+
 URLS_EVERY_S = 2.0  # how often the Ready pods are re-listed (a Service's endpoints lag too)
 
 
-class TraceReplayer:
+class TraceReplayer(AsyncWorker):
     """Sends `trace` from a background thread; `requests` fills in as answers come back.
     `late_s` is how far behind its arrival time each request left this client (it is
     added to the request's TTFT: a user waits for it too)."""
 
+    thread_name = "replay"
+
     def __init__(self, urls_fn: Callable[[], list[str]], model: str, trace: list[TraceRequest],
                  vocab: tuple[int, int], progress: Callable[[str], None] | None = None,
                  drain_s: float = 600.0) -> None:
+        super().__init__()
         self.urls_fn, self.model, self.trace, self.vocab = urls_fn, model, trace, vocab
         self.drain_s = drain_s  # how long answers may still come after the last request is sent
         self.progress = progress
         self.requests: list[SimRequest] = []
         self.late_s: list[float] = []
         self.started: float | None = None
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="replay", daemon=True)
 
     def start(self, t0: float) -> "TraceReplayer":
         """Arrival 0 is the monotonic time t0 (the caller's, shared with a GpuLedger)."""
         self.started = t0
-        self._thread.start()
+        self._start()
         return self
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def join(self, timeout: float | None = None) -> bool:
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._main())
-        except BaseException as e:  # reported by the caller
-            self.error = e
 
     async def _main(self) -> None:
         # aiohttp, as vLLM's own benchmark client: httpx's pool scans every connection for
