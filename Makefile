@@ -8,7 +8,7 @@ export PIP_CACHE_DIR ?= $(HOME)/.cache/pip
 export KVPILOT_CACHE_DIR ?= $(HOME)/.cache/kvpilot
 include e2e/cluster.mk
 
-.PHONY: dev test test-fast demo autotune-bench clean
+.PHONY: dev test test-fast image demo autotune-bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@# `python -m` puts the working directory on sys.path, where operator/ would shadow the
@@ -20,15 +20,22 @@ $(VENV)/.installed: pyproject.toml
 
 dev: $(VENV)/.installed
 
-test: dev
+test: dev node-deps
 	$(VENV)/bin/pytest -q tests e2e
 
 test-fast: dev
 	$(VENV)/bin/pytest -q tests
 
+# The kvpilot/engine:<version> image from the Containerfile, built on this machine without a
+# registry (buildah; a Debian base made with mmdebstrap; root). Writes an OCI archive for
+# `ctr -n k8s.io images import` under $(KVPILOT_CACHE_DIR)/images and prints its path;
+# rebuilt only when an input changes.
+image: node-deps
+	e2e/image/build.sh
+
 # The product's front door: local cluster, chart, a mis-tuned LLMDeployment in mode Auto,
 # load and a live table until the autotuner fixes it; KEEP=1 leaves it all running.
-demo: dev
+demo: dev node-deps
 	$(PY) e2e/demo.py
 
 # The headline benchmark. First, in virtual time on a SIMULATED H100 (minutes): a day of
@@ -38,7 +45,7 @@ demo: dev
 # KEDA), against the same compressed day in virtual time. Last, the stationary run on the
 # tiny model's real engine pods. Writes results/.
 CONTEST := $(VENV)/bin/kvpilot autotune contest --out results
-autotune-bench: dev
+autotune-bench: dev node-deps
 	$(CONTEST) --scenario day --sweep --sweep-seqs 128,256 --sweep-lens 32768
 	for s in preemption long-max-model-len scheduler-bound; do $(CONTEST) --scenario $$s || exit 1; done
 	$(PY) e2e/day_contest.py --out results

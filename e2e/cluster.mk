@@ -1,5 +1,7 @@
 # The local Kubernetes (e2e/): included by the top Makefile.
-#   make cluster-build  build etcd, kube-*, kubectl, Prometheus and KEDA once (cached in ~/.cache/kvpilot/)
+#   make node-deps      the Debian packages the node needs (runc, iptables, ...; e2e/node-deps.sh)
+#   make cluster-build  build Kubernetes, containerd, the CNI plugins, CoreDNS, Prometheus, KEDA
+#                       and kvpilot's image once (cached in ~/.cache/kvpilot/)
 #   make cluster-up     start it in the background; writes .cluster/kubeconfig and .cluster/env
 #   make cluster-down   stop exactly the processes cluster-up started
 #   make cluster-status what is running
@@ -8,12 +10,15 @@ _cluster_mk_default_goal := $(.DEFAULT_GOAL)
 CLUSTER_DIR ?= $(CURDIR)/.cluster
 LOCALCLUSTER = cd e2e && $(abspath $(PY)) -m localcluster
 
-.PHONY: cluster-build cluster-up cluster-down cluster-status
+.PHONY: node-deps cluster-build cluster-up cluster-down cluster-status
 
-cluster-build: dev
+node-deps:
+	e2e/node-deps.sh
+
+cluster-build: dev node-deps
 	$(LOCALCLUSTER) build
 
-cluster-up: dev
+cluster-up: dev node-deps
 	$(LOCALCLUSTER) up --dir $(CLUSTER_DIR)
 
 cluster-down:

@@ -2,7 +2,8 @@
 
     cluster        session-scoped LocalCluster: .kubeconfig, .prometheus_url,
                    .env(), .apply(yaml), .kubectl(...), .api_client(), .kube()
-    namespace      a fresh namespace for one test (deleted afterwards)
+    namespace      a fresh namespace for one test, Pod Security `restricted` enforced
+                   (deleted afterwards)
     wait_for       the polling helper (predicate, timeout, interval)
 
 The first run on a machine builds Kubernetes from the Go module proxy (see
@@ -19,20 +20,22 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from localcluster import LocalCluster, wait_for as _wait_for  # noqa: E402
-from localcluster.build import ensure_binaries, ensure_keda, ensure_prometheus  # noqa: E402
+from localcluster.build import (ensure_binaries, ensure_image, ensure_keda,  # noqa: E402
+                                ensure_node_binaries, ensure_prometheus)
 
-E2E_DIR = Path(__file__).resolve().parent
 
 
 def pytest_collection_finish(session):
     """Builds the binaries (first run on a machine only) before any test runs,
     so the build is not counted in a test's timeout; progress is shown live."""
-    if os.geteuid() != 0 or not any(E2E_DIR in Path(str(i.path)).parents for i in session.items):
+    if os.geteuid() != 0 or not any("cluster" in getattr(i, "fixturenames", ()) for i in session.items):
         return
     capman = session.config.pluginmanager.getplugin("capturemanager")
     with capman.global_and_fixture_disabled():
         ensure_binaries()
+        ensure_node_binaries()
         ensure_prometheus()
+        ensure_image()  # kvpilot's own image: every pod runs from it
         if any(Path(str(i.path)).name == "test_keda.py" for i in session.items):
             ensure_keda()  # KEDA's first build is long too; only when its test runs
 
@@ -56,7 +59,7 @@ def cluster(request, tmp_path_factory):
 @pytest.fixture
 def namespace(cluster):
     name = f"t-{uuid.uuid4().hex[:8]}"
-    cluster.kubectl("create", "namespace", name)
+    cluster.create_namespace(name)  # Pod Security `restricted` enforced, as users run it
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 

@@ -142,7 +142,7 @@ def run_realtime(cluster, scen, trace, kind: str, vocab: tuple[int, int], scale:
     prom = cluster.prometheus_url
     max_replicas = 1 if kind == "defaults" else scen.max_replicas
     m = ks.llmd_manifest(ns, name, engine_spec(scen, load_seconds), autotune_spec(scen, kind, prom, scale),
-                         replicas=1, resources={"gpus": 1, "cpu": "500m", "memory": "512Mi"},
+                         replicas=1, resources={"gpus": 1, "cpu": "100m", "memory": "512Mi"},
                          autoscaling={"minReplicas": 1, "maxReplicas": max_replicas},
                          model={"servedName": name})
     log(f"[{kind}] deploying {ns}/{name}: {scen.accelerator} (SIMULATED) serving {scen.model}, "

@@ -27,6 +27,7 @@ from kvpilot.engine.bench_serve import stream_completion
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from localcluster import LocalCluster, wait_for  # noqa: E402
+from localcluster.build import ensure_image  # noqa: E402
 from localcluster.cluster import ClusterError  # noqa: E402
 from background import AsyncWorker  # noqa: E402
 from timeline import Change, Sample  # noqa: E402
@@ -73,10 +74,11 @@ def open_cluster(workdir: Path) -> tuple[LocalCluster, bool]:
     if (workdir / "state.json").exists():
         c = LocalCluster.attach(workdir)
         if c.running() and c.state.get("running"):
-            log(f"reusing the local cluster in {workdir}")
+            log(f"reusing the local cluster in {workdir} (importing this checkout's image if it changed)")
+            c.import_images([ensure_image()])
             return c, False
-    log(f"starting a local cluster in {workdir} (the first run on a machine builds Kubernetes "
-        "and Prometheus from source: ~30 min on 2 cores, progress below)")
+    log(f"starting a local cluster in {workdir} (the first run on a machine builds Kubernetes, "
+        "containerd, CoreDNS, Prometheus and kvpilot's image: progress below)")
     c = LocalCluster(workdir, detached=True)
     c.start()
     return c, True
@@ -113,7 +115,7 @@ def install_operator(cluster: LocalCluster, resync_s: int = 5) -> None:
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump_all(crds))
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
                     "crd/llmdeployments.serving.kvpilot.dev")
-    cluster.kubectl("create", "namespace", OPERATOR_NS, check=False)
+    cluster.create_namespace(OPERATOR_NS)
     kube = cluster.kube()
     before = {p["metadata"]["uid"] for p in operator_pods(kube)}
     cluster.apply(rest)
@@ -160,7 +162,7 @@ def pod_urls(kube, ns: str, name: str) -> list[str]:
 
 def deploy(cluster: LocalCluster, kube, manifest: dict, timeout: float = 300) -> None:
     ns, name = manifest["metadata"]["namespace"], manifest["metadata"]["name"]
-    cluster.kubectl("create", "namespace", ns, check=False)
+    cluster.create_namespace(ns)
     cluster.apply(manifest)
     want = manifest["spec"].get("replicas", 1)
 

@@ -77,7 +77,7 @@ class Load:
 def deploy(cluster, kube, wait_for, *, seqs: int, seqs_range: tuple[int, int], kv: str,
            max_replicas: int = 1, mode: str = "Auto") -> tuple[str, dict]:
     ns = f"at-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", ns)
+    cluster.create_namespace(ns)
     cluster.apply({
         "apiVersion": "serving.kvpilot.dev/v1alpha1", "kind": "LLMDeployment",
         "metadata": {"name": "tiny", "namespace": ns},

@@ -1,9 +1,13 @@
-"""The local Kubernetes itself: Deployments become Available on the process
-node, Services get EndpointSlices, Prometheus scrapes pods, scaling and
-deletion start and stop processes, ConfigMap changes reach mounted files."""
+"""The local Kubernetes itself: Deployments of containers (from kvpilot's
+image) become Available on the kubelet node, Services get EndpointSlices and
+route through their ClusterIP and DNS name, Prometheus scrapes pods, scaling
+and deletion start and stop containers, ConfigMap changes reach mounted files,
+Pod Security and a read-only root are enforced, and `kubectl logs`, `exec`
+and `port-forward` work."""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -11,9 +15,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from localcluster.build import KVPILOT_IMAGE
+
 pytestmark = pytest.mark.e2e
 
 SERVER = (Path(__file__).parent / "testapps" / "echo_server.py").read_text()
+# What Pod Security `restricted` asks of every pod and container.
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": 65532, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                      "capabilities": {"drop": ["ALL"]}}
 
 
 def echo_manifests(ns: str, replicas: int = 2) -> list[dict]:
@@ -28,10 +38,10 @@ def echo_manifests(ns: str, replicas: int = 2) -> list[dict]:
              "metadata": {"labels": labels, "annotations": {
                  "prometheus.io/scrape": "true", "prometheus.io/port": "8080",
                  "prometheus.io/path": "/metrics"}},
-             "spec": {"terminationGracePeriodSeconds": 5, "containers": [{
-                 "name": "echo", "image": "python:3.11-slim",  # ignored: runs locally
+             "spec": {"terminationGracePeriodSeconds": 5, "securityContext": POD_SECURITY, "containers": [{
+                 "name": "echo", "image": KVPILOT_IMAGE,  # it has a Python
                  "command": ["python", "/app/echo_server.py"],
-                 "args": ["--host", "$(POD_IP)", "--port", "8080"],
+                 "args": ["--host", "0.0.0.0", "--port", "8080"],
                  "env": [
                      {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                      {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -40,6 +50,7 @@ def echo_manifests(ns: str, replicas: int = 2) -> list[dict]:
                  "ports": [{"name": "http", "containerPort": 8080}],
                  "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"},
                                     "periodSeconds": 1, "failureThreshold": 1},
+                 "securityContext": CONTAINER_SECURITY,
                  "volumeMounts": [{"name": "app", "mountPath": "/app", "readOnly": True},
                                   {"name": "message", "mountPath": "/etc/echo"},
                                   {"name": "scratch", "mountPath": "/scratch"}]}],
@@ -55,7 +66,7 @@ def echo_manifests(ns: str, replicas: int = 2) -> list[dict]:
 def echo(cluster):
     """A namespace with the echo Deployment (2 replicas) and its Service."""
     ns = f"echo-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", ns)
+    cluster.create_namespace(ns)
     cluster.apply(echo_manifests(ns))
     yield ns
     cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
@@ -163,17 +174,6 @@ def test_scaling_starts_and_stops_processes(cluster, echo, wait_for):
              what="the removed pods to be deleted")
 
 
-def test_deleting_the_deployment_cascades(cluster, echo, wait_for):
-    kube = cluster.kube()
-    assert cluster.pod_processes(echo)
-    cluster.kubectl("delete", "deployment", "echo", "-n", echo, "--wait=false")
-    wait_for(lambda: not kube.get(f"/apis/apps/v1/namespaces/{echo}/replicasets")["items"], timeout=60,
-             what="the ReplicaSet to be garbage-collected")
-    wait_for(lambda: not kube.get(f"/api/v1/namespaces/{echo}/pods")["items"], timeout=60,
-             what="the pods to be deleted")
-    wait_for(lambda: not cluster.pod_processes(echo), timeout=30, what="the pod processes to end")
-
-
 def test_env_args_and_kubectl_logs(cluster, namespace, wait_for):
     """valueFrom (fieldRef, secretKeyRef, configMapKeyRef), $(VAR) expansion,
     emptyDir, crash restarts with back-off, and `kubectl logs`."""
@@ -181,8 +181,8 @@ def test_env_args_and_kubectl_logs(cluster, namespace, wait_for):
         {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "api"}, "stringData": {"key": "s3cret"}},
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"}, "data": {"mode": "fast"}},
         {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "printer"}, "spec": {
-            "containers": [{
-                "name": "main", "image": "ignored",
+            "securityContext": POD_SECURITY, "containers": [{
+                "name": "main", "image": KVPILOT_IMAGE,
                 "command": ["sh", "-c"],
                 "args": ["echo key=$API_KEY mode=$MODE greeting='$(GREETING)' ns=$(NS) "
                          "path=$(which python) && touch /scratch/mark && ls /scratch && exit 3"],
@@ -190,6 +190,7 @@ def test_env_args_and_kubectl_logs(cluster, namespace, wait_for):
                         {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "mode"}}},
                         {"name": "NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
                         {"name": "GREETING", "value": "hi-$(NS)"}],
+                "securityContext": CONTAINER_SECURITY,
                 "volumeMounts": [{"name": "work", "mountPath": "/scratch"}]}],
             "volumes": [{"name": "work", "emptyDir": {}}]}},
     ], namespace=namespace)
@@ -203,8 +204,7 @@ def test_env_args_and_kubectl_logs(cluster, namespace, wait_for):
 
     wait_for(restarted_twice, timeout=60, what="the crashing container to be restarted twice")
     out = cluster.kubectl("logs", "printer", "-n", namespace).stdout
-    venv_python = Path(__file__).resolve().parent.parent / ".venv" / "bin" / "python"
-    assert f"key=s3cret mode=fast greeting=hi-{namespace} ns={namespace} path={venv_python}" in out
+    assert f"key=s3cret mode=fast greeting=hi-{namespace} ns={namespace} path=/opt/kvpilot/bin/python" in out
     assert "mark" in out
 
 
@@ -249,3 +249,94 @@ def test_a_prestop_sleep_keeps_a_deleted_pod_serving(cluster, namespace, wait_fo
     wait_for(stopped, timeout=30, what="the pod to stop after its preStop sleep")
     # Without the hook the server stops within a moment of SIGTERM.
     assert last_answer - deleted >= 2.0
+
+
+def one_shot_pod(name: str, script: str, **container) -> dict:
+    """A restricted-compliant pod that runs a Python snippet once."""
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": {
+        "restartPolicy": "Never", "securityContext": POD_SECURITY,
+        "containers": [{"name": "main", "image": KVPILOT_IMAGE, "command": ["python", "-c", script],
+                        "securityContext": CONTAINER_SECURITY, **container}]}}
+
+
+def finished(kube, namespace: str, name: str):
+    p = kube.get(f"/api/v1/namespaces/{namespace}/pods/{name}")
+    phase = p.get("status", {}).get("phase")
+    return phase if phase in ("Succeeded", "Failed") else None
+
+
+def test_the_root_filesystem_is_read_only(cluster, namespace, wait_for):
+    """A write outside the pod's volumes fails as on any cluster; the volume takes it."""
+    script = ("import pathlib, sys\n"
+              "pathlib.Path('/scratch/ok').write_text('x')\n"
+              "try:\n    pathlib.Path('/opt/kvpilot/x').write_text('x')\n"
+              "except OSError as e:\n    print('refused:', e.strerror); sys.exit(7)\n")
+    pod = one_shot_pod("writer", script, volumeMounts=[{"name": "s", "mountPath": "/scratch"}])
+    pod["spec"]["volumes"] = [{"name": "s", "emptyDir": {}}]
+    cluster.apply(pod, namespace=namespace)
+    kube = cluster.kube()
+    assert wait_for(lambda: finished(kube, namespace, "writer"), timeout=60,
+                    what="the writer pod to finish") == "Failed"
+    cs = kube.get(f"/api/v1/namespaces/{namespace}/pods/writer")["status"]["containerStatuses"][0]
+    assert cs["state"]["terminated"]["exitCode"] == 7
+    assert "refused: Read-only file system" in cluster.kubectl("logs", "writer", "-n", namespace).stdout
+
+
+def test_restricted_pod_security_is_enforced(cluster, namespace):
+    """The namespaces tests use enforce `restricted`: a pod asking for root is refused."""
+    pod = one_shot_pod("root", "print(1)")
+    pod["spec"]["securityContext"] = {"runAsUser": 0}
+    r = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(pod), check=False)
+    assert r.returncode != 0
+    assert 'violates PodSecurity "restricted:latest"' in r.stderr
+    labels = cluster.kube().get(f"/api/v1/namespaces/{namespace}")["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+def test_a_service_answers_on_its_cluster_ip_and_dns_name_from_another_pod(cluster, echo, wait_for):
+    kube = cluster.kube()
+    wait_for(lambda: deployment_available(kube, echo, 1), timeout=90, what="Deployment echo Available")
+    ip = kube.get(f"/api/v1/namespaces/{echo}/services/echo")["spec"]["clusterIP"]
+    script = ("import json, urllib.request\n"
+              f"for url in ('http://{ip}/', 'http://echo/', 'http://echo.{echo}.svc.cluster.local/'):\n"
+              "    print(url, json.load(urllib.request.urlopen(url, timeout=5))['namespace'])\n")
+    cluster.apply(one_shot_pod("client", script), namespace=echo)
+    assert wait_for(lambda: finished(kube, echo, "client"), timeout=60,
+                    what="the client pod to finish") == "Succeeded"
+    out = cluster.kubectl("logs", "client", "-n", echo).stdout
+    for url in (f"http://{ip}/", "http://echo/", f"http://echo.{echo}.svc.cluster.local/"):
+        assert f"{url} {echo}" in out
+
+
+def test_kubectl_exec_and_port_forward(cluster, echo, wait_for):
+    kube = cluster.kube()
+    wait_for(lambda: deployment_available(kube, echo, 1), timeout=90, what="Deployment echo Available")
+    pod = ready_pods(kube, echo)[0]["metadata"]["name"]
+    out = cluster.kubectl("exec", pod, "-n", echo, "--", "kvpilot", "--version").stdout
+    assert out.strip().startswith("kvpilot ")
+    who = cluster.kubectl("exec", pod, "-n", echo, "--", "python", "-c",
+                          "import os; print(os.getuid(), os.getpid())").stdout.split()
+    assert who[0] == "65532"
+    pf = subprocess.Popen([str(cluster.bin_dir / "kubectl"), f"--kubeconfig={cluster.kubeconfig}",
+                           "port-forward", "-n", echo, f"pod/{pod}", ":8080"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = pf.stdout.readline()  # "Forwarding from 127.0.0.1:PORT -> 8080"
+        port = int(line.split("127.0.0.1:")[1].split()[0])
+        assert httpx.get(f"http://127.0.0.1:{port}/", timeout=5).json()["pod"] == pod
+    finally:
+        pf.terminate()
+        pf.wait(timeout=10)
+
+
+def test_deleting_the_deployment_cascades(cluster, echo, wait_for):
+    kube = cluster.kube()
+    wait_for(lambda: deployment_available(kube, echo, 1), timeout=90, what="Deployment echo Available")
+    assert cluster.pod_processes(echo)
+    cluster.kubectl("delete", "deployment", "echo", "-n", echo, "--wait=false")
+    wait_for(lambda: not kube.get(f"/apis/apps/v1/namespaces/{echo}/replicasets")["items"], timeout=60,
+             what="the ReplicaSet to be garbage-collected")
+    wait_for(lambda: not kube.get(f"/api/v1/namespaces/{echo}/pods",
+                                  params={"labelSelector": "app=echo"})["items"], timeout=60,
+             what="the pods to be deleted")
+    wait_for(lambda: not cluster.pod_processes(echo), timeout=30, what="the pod processes to end")

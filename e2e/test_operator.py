@@ -1,14 +1,16 @@
 """The operator end to end on the local control plane: the CRD and the Helm
 chart (rendered by helm built from its Go module) installed into the cluster,
-the operator running from the chart's Deployment as a pod of the process node
-(in-cluster config from its projected ServiceAccount token, so with exactly the
-chart's RBAC), and examples/llmdeployment-tiny.yaml served by real
-`kvpilot serve` pods."""
+the operator running from the chart's Deployment as a container of kvpilot's
+image on the kubelet node (in-cluster config from its projected ServiceAccount
+token, so with exactly the chart's RBAC), in namespaces that enforce Pod
+Security `restricted`, and examples/llmdeployment-tiny.yaml served by real
+`kvpilot serve` containers."""
 from __future__ import annotations
 
 import contextlib
 import re
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -113,7 +115,7 @@ def installed_operator(cluster, wait_for, resync_interval: float = 10):
     wait_for(lambda: kube.get(f"/api/v1/namespaces/{OPERATOR_NS}", ok404=True) is None
              or kube.get(f"/api/v1/namespaces/{OPERATOR_NS}")["status"].get("phase") != "Terminating",
              timeout=120, what=f"namespace {OPERATOR_NS} to finish terminating")
-    cluster.kubectl("create", "namespace", OPERATOR_NS, check=False)
+    cluster.create_namespace(OPERATOR_NS)
     cluster.apply(rest)
     try:
         wait_for(lambda: operator_ready(kube), timeout=180, what="the operator pod to be Ready")
@@ -134,7 +136,7 @@ def operator(cluster, wait_for):
 @pytest.fixture(scope="module")
 def demo(cluster, operator, wait_for):
     ns = f"demo-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", ns)
+    cluster.create_namespace(ns)
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"]["namespace"] = ns
     cluster.apply(doc)
@@ -163,6 +165,43 @@ def test_example_serves_completions(cluster, operator, demo):
     assert r.json()["choices"][0]["text"] is not None
     svc = operator.get(f"/api/v1/namespaces/{demo}/services/tiny")
     assert svc["spec"]["selector"]["serving.kvpilot.dev/llmdeployment"] == "tiny"
+
+
+def test_operator_and_engine_run_from_the_image_under_restricted(cluster, operator, demo):
+    """Both namespaces enforce `restricted` (admission let these pods in); each container is
+    kvpilot's image, and `kvpilot serve` is the engine container's PID 1, so the kubelet's
+    SIGTERM reaches it (no shell in between)."""
+    (op,) = operator_ready(operator)
+    (pod,) = engine_pods(operator, demo)
+    for p in (op, pod):
+        labels = operator.get(f"/api/v1/namespaces/{p['metadata']['namespace']}")["metadata"]["labels"]
+        assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+        assert p["spec"]["containers"][0]["image"] == "kvpilot/engine:0.1.0"
+    name, ns = pod["metadata"]["name"], pod["metadata"]["namespace"]
+    version = cluster.kubectl("exec", name, "-n", ns, "--", "kvpilot", "--version").stdout
+    assert version.strip() == "kvpilot 0.1.0"
+    pid1 = cluster.kubectl("exec", name, "-n", ns, "--", "python", "-c",
+                           "print(open('/proc/1/cmdline').read().split(chr(0)))").stdout
+    assert "'serve'" in pid1 and "kvpilot" in pid1, pid1
+
+
+def test_a_deleted_engine_pod_drains_and_is_replaced(cluster, operator, demo, wait_for):
+    """`kubectl delete pod`: the preStop sleep, then SIGTERM to `kvpilot serve`, which drains
+    and exits; the whole stop takes the hook's seconds plus the drain, far less than the
+    grace period after which the kubelet would SIGKILL a process that ignored SIGTERM."""
+    (old,) = engine_pods(operator, demo)
+    name = old["metadata"]["name"]
+    t0 = time.monotonic()
+    cluster.kubectl("delete", "pod", name, "-n", demo, "--wait=true", "--timeout=60s")
+    stop_s = time.monotonic() - t0
+    grace = old["spec"]["terminationGracePeriodSeconds"]
+    assert stop_s < grace, f"the pod took {stop_s:.1f}s to stop (grace {grace}s): SIGTERM was not handled"
+    (new,) = wait_for(lambda: engine_pods(operator, demo), timeout=READY_TIMEOUT, interval=1,
+                      what="a replacement engine pod to be Ready")
+    assert new["metadata"]["name"] != name
+    r = httpx.post(f"http://{new['status']['podIP']}:8000/v1/completions",
+                   json={"model": "tiny", "prompt": "Hello", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_operator_metrics(operator, demo):

@@ -27,7 +27,7 @@ def test_preemption_bound_lowers_max_num_seqs_on_a_simulated_a10g(cluster, tuned
     autotune = {"mode": "Auto", "interval": "4s", "window": "15s", "cooldown": "10s",
                 "maxNumSeqs": {"min": 4, "max": 256}, "maxModelLen": {"min": 1024, "max": 8192},
                 "prometheus": {"url": cluster.prometheus_url}}
-    m = ks.llmd_manifest(namespace, NAME, ENGINE, autotune, resources={"gpus": 1, "cpu": "500m", "memory": "512Mi"},
+    m = ks.llmd_manifest(namespace, NAME, ENGINE, autotune, resources={"gpus": 1, "cpu": "100m", "memory": "512Mi"},
                          model={"source": "builtin:tiny", "servedName": NAME})
     try:
         ks.deploy(cluster, kube, m)

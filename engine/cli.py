@@ -100,9 +100,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed distribution's version (what an image tag carries)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvpilot")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpilot", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-tiny-model", help="write a small random-weight HF-format model")

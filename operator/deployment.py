@@ -15,8 +15,8 @@ from .spec import LLMDeploymentSpec
 CONTAINER = "engine"
 HASH_ANNOTATION = "serving.kvpilot.dev/config-hash"
 MODELS_DIR = "/models"
-# Writable scratch for the read-only root (TMPDIR and HOME point here). Not /tmp: a
-# mount over /tmp would hide host paths under it on process-backed test nodes.
+# Writable scratch for the read-only root filesystem (TMPDIR and HOME point here); the
+# chart's operator pod uses the same path.
 SCRATCH_DIR = "/scratch"
 CACHE_DIR = "/var/cache/kvpilot"
 RUN_AS = 65532

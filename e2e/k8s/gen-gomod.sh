@@ -22,7 +22,7 @@ goline=$(grep -m1 '^go ' "$kmod")
   echo ")"
   echo
   echo "tool ("
-  for c in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+  for c in kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy; do
     echo "	k8s.io/kubernetes/cmd/$c"
   done
   echo ")"

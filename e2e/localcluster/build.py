@@ -1,13 +1,15 @@
 """Locates the Go-built binaries, building them once (progress on stderr):
-the control plane (e2e/k8s), Prometheus (e2e/prometheus) and KEDA (e2e/keda)."""
+Kubernetes (e2e/k8s), the node's runtime (e2e/containerd, e2e/cni, e2e/pause,
+e2e/coredns, e2e/deviceplugin), Prometheus (e2e/prometheus) and KEDA (e2e/keda)."""
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 
-from .paths import E2E_DIR, cache_dir
+from .paths import E2E_DIR, PROJECT_VERSION, cache_dir
 
-K8S_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+K8S_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl",
+                "kubelet", "kube-proxy")
 
 
 def _version(module: str) -> str:
@@ -27,8 +29,24 @@ def _ensure(module: str, binaries: tuple[str, ...]) -> Path:
 
 def ensure_binaries() -> Path:
     """The bin folder with etcd, kube-apiserver, kube-controller-manager,
-    kube-scheduler and kubectl."""
+    kube-scheduler, kubectl, kubelet and kube-proxy."""
     return _ensure("k8s", K8S_BINARIES)
+
+
+def version_of(module: str) -> str:
+    return _version(module)
+
+
+def ensure_node_binaries() -> dict[str, Path]:
+    """The node's runtime pieces: containerd's bin folder, the CNI plugins' bin
+    folder, and the pause, CoreDNS and device plugin executables."""
+    return {
+        "containerd": _ensure("containerd", ("containerd", "containerd-shim-runc-v2", "ctr")),
+        "cni": _ensure("cni", ("bridge", "host-local", "loopback", "portmap")),
+        "pause": _ensure("pause", ("pause",)) / "pause",
+        "coredns": _ensure("coredns", ("coredns",)) / "coredns",
+        "device_plugin": _ensure("deviceplugin", ("kvpilot-device-plugin",)) / "kvpilot-device-plugin",
+    }
 
 
 def ensure_prometheus() -> Path:
@@ -39,3 +57,16 @@ def ensure_prometheus() -> Path:
 def ensure_keda() -> Path:
     """The bin folder with KEDA's `operator` and `adapter` (its metrics API server)."""
     return _ensure("keda", ("operator", "adapter"))
+
+
+KVPILOT_IMAGE = f"docker.io/kvpilot/engine:{PROJECT_VERSION}"
+
+
+def ensure_image() -> tuple[str, Path]:
+    """kvpilot's own image (`make image`, e2e/image/build.sh) as (name, OCI archive):
+    built on the first run and after any change to what goes into it."""
+    r = subprocess.run([str(E2E_DIR / "image" / "build.sh")], stdout=subprocess.PIPE, stderr=None,
+                       text=True)
+    if r.returncode != 0:
+        raise RuntimeError("building kvpilot's image failed (see the output above)")
+    return KVPILOT_IMAGE, Path(r.stdout.strip().splitlines()[-1])

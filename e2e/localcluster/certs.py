@@ -69,7 +69,8 @@ def issue(pki: Pki, name: str, subject: str, sans: list[str], usage: str) -> tup
 
 
 def make_pki(d: Path, ips: list[str]) -> Pki:
-    """`ips`: the addresses the API server and the node endpoint serve on."""
+    """`ips`: the addresses the API server serves on (the node's certificates are issued
+    later, see kubeletnode.write_node_files)."""
     d.mkdir(parents=True, exist_ok=True)
     _key(d, "ca")
     _openssl("req", "-x509", "-new", "-key", "ca.key", "-subj", "/CN=kvpilot-local-ca",
@@ -81,8 +82,6 @@ def make_pki(d: Path, ips: list[str]) -> Pki:
                     "DNS:kubernetes.default", "DNS:kubernetes.default.svc",
                     "DNS:kubernetes.default.svc.cluster.local"]
     _issue(d, "apiserver", "/CN=kube-apiserver", sans=serving_sans, usage="serverAuth")
-    _issue(d, "node-serving", "/CN=kvpilot-node", sans=ip_sans + ["DNS:localhost"],
-           usage="serverAuth")
     _issue(d, "admin", "/O=system:masters/CN=kvpilot-admin")
     _issue(d, "controller-manager", "/CN=system:kube-controller-manager")
     _issue(d, "scheduler", "/CN=system:kube-scheduler")

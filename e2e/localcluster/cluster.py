@@ -1,12 +1,13 @@
 """LocalCluster: starts, health-waits and stops a whole local Kubernetes
-(etcd, kube-apiserver, kube-controller-manager, kube-scheduler, the
-process-backed node, Prometheus) in one work folder:
+(etcd, kube-apiserver, kube-controller-manager, kube-scheduler, a real node of
+containerd, kubelet, kube-proxy and a device plugin, CoreDNS, Prometheus) in
+one work folder:
 
     workdir/kubeconfig      admin kubeconfig (client certificate in system:masters)
     workdir/env             KUBECONFIG=... and PROMETHEUS_URL=... lines
     workdir/state.json      what `LocalCluster.attach(workdir)` reads back
     workdir/logs/*.log      one log per process
-    workdir/node/pods/<ns>_<pod>_<uid>/logs/<container>.log   pod output
+    workdir/node/pod-logs/<ns>_<pod>_<uid>/<container>/<restarts>.log   pod output (CRI format)
     workdir/run/*.pid       pid files: exactly what `stop` stops
 """
 from __future__ import annotations
@@ -24,14 +25,18 @@ from typing import Any, Iterable
 import httpx
 import yaml
 
-from . import prometheus
-from .build import ensure_binaries, ensure_prometheus
+from . import cgroups, prometheus
+from .addons import build_coredns
+from .build import ensure_binaries, ensure_image, ensure_node_binaries, ensure_prometheus, version_of
 from .certs import Pki, make_pki
 from .controlplane import Ports, apiserver_argv, controller_manager_argv, etcd_argv, scheduler_argv
 from .kube import Credentials, Kube
 from .kubeconfig import write_kubeconfig
-from .node.agent import NodeConfig
-from .paths import E2E_DIR, K8S_VERSION, VENV_BIN
+from .kubeletnode import (CGROUP_PREFIX, COREDNS_IMAGE_REPO, Ctr, preflight, sweep_stale, NodeBinaries, containerd_argv, device_plugin_argv,
+                          ensure_binary_archives, kube_proxy_argv, kubelet_argv, root_in_use,
+                          shared_containerd_root, sweep, unmount_under, write_node_files)
+from .nodeconfig import NodeLayout
+from .paths import K8S_VERSION
 from .podnet import PodNetwork, choose_octet
 from .ports import free_port
 from .procs import CLUSTER_ID_ENV, Proc, kill_tagged, tagged_processes
@@ -41,9 +46,16 @@ from .waiting import wait_for
 # only on request (keda.py, after the cluster is up); listed so that stop() and
 # attach() treat them as the cluster's own.
 ORDER = ["podnet", "etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
-         "node", "prometheus", "keda-operator", "keda-adapter"]
-DEFAULT_CAPACITY = {"cpu": "32", "memory": "128Gi", "pods": "110", "nvidia.com/gpu": "8",
-                    "ephemeral-storage": "100Gi"}
+         "containerd", "kubelet", "device-plugin", "kube-proxy", "prometheus",
+         "keda-operator", "keda-adapter"]
+# CPU, memory and disk are the host's own (the kubelet reads them); the GPUs are the
+# device plugin's simulated ones.
+DEFAULT_CAPACITY = {"pods": "110", "nvidia.com/gpu": "8"}
+
+
+# A real kubelet registers its Node tainted not-ready until the node lifecycle
+# controller sees it Ready; DaemonSets (kube-proxy's kind) need theirs.
+KUBELET_NODE_CONTROLLERS = ("node-lifecycle-controller", "daemonset-controller")
 
 
 class ClusterError(RuntimeError):
@@ -54,14 +66,15 @@ class LocalCluster:
     def __init__(self, workdir: str | os.PathLike, *, detached: bool = False,
                  node_name: str = "kvpilot-node", capacity: dict[str, str] | None = None,
                  scrape_interval: str = "1s", with_prometheus: bool = True,
-                 mounts: str = "auto", log=None):
+                 images: list[tuple[str, Path]] | None = None, log=None):
         self.workdir = Path(workdir).resolve()
         self.detached = detached
         self.node_name = node_name
         self.capacity = {**DEFAULT_CAPACITY, **(capacity or {})}
         self.scrape_interval = scrape_interval
         self.with_prometheus = with_prometheus
-        self.mounts = mounts
+        # (image name, OCI archive) to import into containerd; None: kvpilot's own image.
+        self.images = images
         self._log = log or (lambda msg: print(f"[localcluster] {msg}", file=sys.stderr, flush=True))
         self.procs: dict[str, Proc] = {}
         self.state: dict[str, Any] = {}
@@ -95,7 +108,8 @@ class LocalCluster:
 
     @property
     def pods_dir(self) -> Path:
-        return self.workdir / "node" / "pods"
+        """The kubelet's pod log folder: <namespace>_<pod>_<uid>/<container>/<restarts>.log."""
+        return self.workdir / "node" / "pod-logs"
 
     @property
     def pki(self) -> Pki:
@@ -109,6 +123,15 @@ class LocalCluster:
         t0 = time.monotonic()
         if os.geteuid() != 0:
             raise ClusterError("the local cluster needs root (network and mount namespaces)")
+        missing = preflight()
+        if missing:
+            raise ClusterError("this machine cannot run the local cluster's containers; it lacks:\n  "
+                               + "\n  ".join(missing))
+        if root_in_use(shared_containerd_root()):
+            # The kubelet's device-plugin folder is fixed (/var/lib/kubelet/device-plugins), so two
+            # nodes on one machine would take each other's sockets: one at a time.
+            raise ClusterError(f"another local cluster's node is running on this machine (it holds "
+                               f"{shared_containerd_root()}); stop it first (`make cluster-down`)")
         state_file = self.workdir / "state.json"
         if state_file.exists():
             old = LocalCluster.attach(self.workdir)
@@ -120,6 +143,10 @@ class LocalCluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         bin_dir = ensure_binaries()
         prom_exe = ensure_prometheus() if self.with_prometheus else None
+        # Built (first run) or checked before anything starts.
+        self._node_bins = ensure_node_binaries()
+        if self.images is None:
+            self.images = [ensure_image()]
         self.state = {"cluster_id": uuid.uuid4().hex[:12], "bin_dir": str(bin_dir),
                       "version": K8S_VERSION, "workdir": str(self.workdir), "started": time.time()}
         try:
@@ -159,6 +186,39 @@ class LocalCluster:
             raise ClusterError(f"{e}; last log lines:\n{self.log_tail(name)}") from None
         self._log(f"{name} ready ({time.monotonic() - t:.1f}s)")
 
+    def _start_kubelet_node(self, net: PodNetwork, pki: Pki, kube: Kube) -> None:
+        nb = self._node_bins
+        bins = NodeBinaries(k8s=self.bin_dir, containerd=nb["containerd"], cni=nb["cni"],
+                            pause=nb["pause"], coredns=nb["coredns"],
+                            device_plugin=nb["device_plugin"], runc=shutil.which("runc") or "")
+        root = shared_containerd_root()
+        layout = NodeLayout(net.octet, self.workdir / "node", root)
+        stale = sweep_stale()
+        if stale:
+            self._log(f"stopped {len(stale)} container processes a cluster that died had left")
+        cgroup_root = f"/{CGROUP_PREFIX}{self.cluster_id}"
+        self.state.update(cgroup_root=cgroup_root, dns_ip=layout.dns_ip,
+                          containerd_socket=str(layout.containerd_socket),
+                          containerd_bin=str(bins.containerd))
+        self._save_state()
+        files = write_node_files(layout, pki, bins=bins, node_name=self.node_name, server=self.server,
+                                 kubelet_port=free_port(), proxy_metrics_port=free_port(),
+                                 cgroup_root=cgroup_root, max_pods=int(self.capacity["pods"]))
+        path = f"{bins.containerd}:{os.environ.get('PATH', '')}"
+        self._spawn("containerd", containerd_argv(bins, files["containerd"], root, net.netns),
+                    extra_env={"PATH": path})
+        ctr = Ctr(bins.containerd, layout.containerd_socket)
+        self._wait("containerd", ctr.ready, timeout=60)
+        ctr.remove_workloads()
+        archives = ensure_binary_archives(bins) + self.images
+        for ref, archive in archives:
+            ctr.import_archive(archive, ref, self._log)
+        cgroups.create(cgroup_root)
+        self._spawn("kubelet", kubelet_argv(bins, files, layout, self.node_name, net.netns),
+                    extra_env={"PATH": path})
+        self._spawn("device-plugin", device_plugin_argv(bins, layout, int(self.capacity["nvidia.com/gpu"])))
+        self._spawn("kube-proxy", kube_proxy_argv(bins, files, net.netns))
+
     def _start(self, bin_dir: Path, prom_exe: Path | None) -> None:
         # Pod network first: the API server listens on its gateway.
         octet = choose_octet()
@@ -166,10 +226,9 @@ class LocalCluster:
         net = PodNetwork(octet, holder.pid)
         net.setup()
         gw = net.gateway
-        service_cidr = f"10.{octet}.254.0/24"
+        service_cidr = f"10.{octet}.254.0/24"  # NodeLayout.service_cidr
         ports = Ports(etcd_client=free_port(), etcd_peer=free_port(), apiserver=free_port(gw),
-                      controller_manager=free_port(), scheduler=free_port(), node_logs=free_port(gw),
-                      prometheus=free_port(gw))
+                      controller_manager=free_port(), scheduler=free_port(), prometheus=free_port(gw))
         self.state.update(gateway=gw, net_octet=octet, ports=ports.__dict__,
                           server=f"https://{gw}:{ports.apiserver}")
         if prom_exe:
@@ -194,19 +253,10 @@ class LocalCluster:
         self._wait("kube-apiserver", lambda: kube.http.get("/readyz").status_code == 200, timeout=180)
 
         self._spawn("kube-controller-manager",
-                    controller_manager_argv(bin_dir, pki, ports, kcm_kc, service_cidr))
+                    controller_manager_argv(bin_dir, pki, ports, kcm_kc, service_cidr,
+                                            KUBELET_NODE_CONTROLLERS))
         self._spawn("kube-scheduler", scheduler_argv(bin_dir, ports, sched_kc))
-        node_cfg = NodeConfig(
-            name=self.node_name, workdir=self.workdir / "node", creds=creds, net_octet=octet,
-            net_holder_pid=holder.pid, cluster_id=self.cluster_id, apiserver_port=ports.apiserver,
-            log_port=ports.node_logs, serving_cert=pki.cert("node-serving"),
-            serving_key=pki.key("node-serving"), venv_bin=VENV_BIN, version=K8S_VERSION,
-            capacity=self.capacity, mounts=self.mounts)
-        (self.workdir / "node").mkdir(parents=True, exist_ok=True)
-        cfg_file = self.workdir / "node" / "node.json"
-        cfg_file.write_text(node_cfg.to_json())
-        self._spawn("node", [sys.executable, "-m", "localcluster.node", "--config", str(cfg_file)],
-                    cwd=E2E_DIR)
+        self._start_kubelet_node(net, pki, kube)
         if prom_exe:
             cfg = prometheus.write_config(self.workdir / "prometheus.yml", self.server, pki,
                                           self.scrape_interval)
@@ -217,7 +267,15 @@ class LocalCluster:
                                           timeout=2).status_code == 200
         self._wait("kube-controller-manager", lambda: insecure(ports.controller_manager))
         self._wait("kube-scheduler", lambda: insecure(ports.scheduler))
-        self._wait("node", lambda: _node_ready(kube, self.node_name))
+        self._wait("kubelet", lambda: _node_ready(kube, self.node_name))
+        gpus = self.capacity["nvidia.com/gpu"]
+        self._wait("device-plugin", lambda: _node_allocatable(kube, self.node_name,
+                                                              "nvidia.com/gpu") == gpus)
+        t = time.monotonic()
+        self.apply(build_coredns(f"{COREDNS_IMAGE_REPO}:{version_of('coredns')}", self.state["dns_ip"]))
+        wait_for(lambda: _deployment_available(kube, "kube-system", "coredns"), timeout=60,
+                 what="CoreDNS to become ready")
+        self._log(f"CoreDNS ready ({time.monotonic() - t:.1f}s)")
         if prom_exe:
             self._wait("prometheus", lambda: httpx.get(f"{self.prometheus_url}/-/ready",
                                                        timeout=2).status_code == 200)
@@ -251,9 +309,13 @@ class LocalCluster:
         """Stops every process of this cluster (pods included) and returns the
         pids of any that had to be swept up afterwards (normally none)."""
         for name in reversed(ORDER):
+            if name == "containerd" and "cgroup_root" in self.state:
+                self._sweep_kubelet_node()
             p = self.procs.get(name)
             if p is not None:
-                p.stop(grace=30 if name == "node" else 10)
+                p.stop(grace=10)
+        if "cgroup_root" in self.state:
+            unmount_under(self.workdir / "node")
         if "net_octet" in self.state:
             PodNetwork.remove_leftover(self.state["net_octet"])
         leftovers: list[int] = []
@@ -266,6 +328,30 @@ class LocalCluster:
             if self.workdir.exists():
                 self._save_state()
         return leftovers
+
+    def _sweep_kubelet_node(self) -> None:
+        """Once the kubelet is gone, no pod may outlive the cluster: kill what is left in the
+        node's cgroups and drop the containers from containerd's store."""
+        killed = sweep(self.state["cgroup_root"])
+        if killed:
+            self._log(f"stopped {len(killed)} container processes")
+        proc = self.procs.get("containerd")
+        if proc is not None and proc.running():
+            Ctr(Path(self.state["containerd_bin"]), Path(self.state["containerd_socket"])
+                ).remove_workloads()
+
+    def _kubelet_pod_processes(self, namespace: str | None, pod: str | None) -> list[int]:
+        # A pod's cgroup is <root>/kubepods[/<qos>]/pod<uid>/<container id>.
+        kube = self.kube()
+        try:
+            uids = _pod_uids(kube, namespace, pod)
+        finally:
+            kube.close()
+        pids = []
+        for pid, path in cgroups.processes_under(self.state["cgroup_root"], "pids"):
+            if any(f"/pod{uid}/" in path for uid in uids) and not _is_pause(pid):
+                pids.append(pid)
+        return sorted(pids)
 
     def leftover_processes(self) -> list[int]:
         """Live processes of this cluster (control plane, node, pods)."""
@@ -306,6 +392,13 @@ class LocalCluster:
             raise ClusterError(f"kubectl {' '.join(args)} failed: {r.stderr.strip()}")
         return r
 
+    def create_namespace(self, name: str, pod_security: str = "restricted") -> None:
+        """A namespace whose pods must pass the Pod Security level `pod_security`
+        (admission enforces it); re-creating an existing one just relabels it."""
+        self.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": {
+            "pod-security.kubernetes.io/enforce": pod_security,
+            "pod-security.kubernetes.io/enforce-version": "latest"}}})
+
     def apply(self, manifest: str | Path | dict | Iterable[dict], namespace: str | None = None) -> str:
         """`kubectl apply` of YAML text, a file, or objects; returns kubectl's output."""
         if isinstance(manifest, Path):
@@ -325,25 +418,49 @@ class LocalCluster:
             return "(no log)"
         return "\n".join(p.read_text(errors="replace").splitlines()[-lines:])
 
+    def import_images(self, images: list[tuple[str, Path]]) -> None:
+        """Imports (name, OCI archive) pairs into the running node's containerd, skipping
+        archives it already holds; pods started afterwards run the new image."""
+        ctr = Ctr(Path(self.state["containerd_bin"]), Path(self.state["containerd_socket"]))
+        for ref, archive in images:
+            ctr.import_archive(archive, ref, self._log)
+
     def pod_log(self, namespace: str, pod: str, container: str) -> Path | None:
         """The output file of a pod's container (newest pod of that name)."""
-        found = sorted(self.pods_dir.glob(f"{namespace}_{pod}_*/logs/{container}.log"),
+        found = sorted(self.pods_dir.glob(f"{namespace}_{pod}_*/{container}/*.log"),
                        key=lambda p: p.stat().st_mtime)
         return found[-1] if found else None
 
     def pod_processes(self, namespace: str | None = None, pod: str | None = None) -> list[int]:
-        """Pids of live pod processes (found by their KVPILOT_POD tag)."""
-        pids = []
-        want = None if namespace is None else f"{namespace}/{pod}" if pod else f"{namespace}/"
-        for pid in tagged_processes(self.cluster_id):
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            tags = [e[len(b"KVPILOT_POD="):].decode() for e in env if e.startswith(b"KVPILOT_POD=")]
-            if tags and (want is None or (tags[0] == want if pod else tags[0].startswith(want))):
-                pids.append(pid)
-        return pids
+        """Pids of live container processes (sandboxes' pause processes left out), found
+        by their pods' cgroups."""
+        return self._kubelet_pod_processes(namespace, pod)
+
+
+def _is_pause(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] == b"/pause"
+    except OSError:
+        return True  # gone
+
+
+def _pod_uids(kube: Kube, namespace: str | None, pod: str | None) -> set[str]:
+    if namespace is None:
+        return {p["metadata"]["uid"] for p in kube.get("/api/v1/pods")["items"]}
+    if pod is None:
+        return {p["metadata"]["uid"] for p in kube.get(f"/api/v1/namespaces/{namespace}/pods")["items"]}
+    p = kube.get(f"/api/v1/namespaces/{namespace}/pods/{pod}", ok404=True)
+    return {p["metadata"]["uid"]} if p else set()
+
+
+def _deployment_available(kube: Kube, namespace: str, name: str) -> bool:
+    d = kube.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/{name}", ok404=True)
+    return bool(d) and (d.get("status", {}).get("availableReplicas") or 0) >= 1
+
+
+def _node_allocatable(kube: Kube, name: str, resource: str) -> str | None:
+    node = kube.get(f"/api/v1/nodes/{name}", ok404=True) or {}
+    return node.get("status", {}).get("allocatable", {}).get(resource)
 
 
 def _node_ready(kube: Kube, name: str) -> bool:

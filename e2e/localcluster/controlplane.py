@@ -30,7 +30,6 @@ class Ports:
     apiserver: int
     controller_manager: int
     scheduler: int
-    node_logs: int
     prometheus: int
 
 
@@ -59,22 +58,24 @@ def apiserver_argv(bin: Path, pki: Pki, p: Ports, address: str, service_cidr: st
         "--requestheader-extra-headers-prefix=X-Remote-Extra-",
         f"--proxy-client-cert-file={pki.cert('front-proxy-client')}",
         f"--proxy-client-key-file={pki.key('front-proxy-client')}",
-        # No kube-proxy here, so nothing routes Service ClusterIPs: the aggregator
-        # dials an APIService's endpoint (from its EndpointSlice) instead.
+        # The aggregator dials an APIService's endpoint (from its EndpointSlice) rather
+        # than its ClusterIP: KEDA's adapter runs on the host, outside kube-proxy's rules.
         "--enable-aggregator-routing=true",
-        "--authorization-mode=RBAC",
+        "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
         f"--service-account-key-file={pki.sa_pub}",
         f"--service-account-signing-key-file={pki.sa_key}",
         "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
         f"--service-cluster-ip-range={service_cidr}",
-        "--endpoint-reconciler-type=none",
+        # The `kubernetes` Service's endpoint (the gateway), for pods that reach the API via its ClusterIP.
+        "--endpoint-reconciler-type=lease",
         f"--kubelet-client-certificate={pki.cert('admin')}", f"--kubelet-client-key={pki.key('admin')}",
         f"--kubelet-certificate-authority={pki.ca}", "--kubelet-preferred-address-types=InternalIP",
         "--allow-privileged=true", "--profiling=false", "--v=1",
     ]
 
 
-def controller_manager_argv(bin: Path, pki: Pki, p: Ports, kubeconfig: Path, service_cidr: str) -> list[str]:
+def controller_manager_argv(bin: Path, pki: Pki, p: Ports, kubeconfig: Path, service_cidr: str,
+                            extra_controllers: tuple[str, ...] = ()) -> list[str]:
     return [
         str(bin / "kube-controller-manager"),
         f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
@@ -83,7 +84,7 @@ def controller_manager_argv(bin: Path, pki: Pki, p: Ports, kubeconfig: Path, ser
         "--leader-elect=false", "--use-service-account-credentials=true",
         f"--service-account-private-key-file={pki.sa_key}", f"--root-ca-file={pki.ca}",
         f"--service-cluster-ip-range={service_cidr}",
-        f"--controllers={','.join(CONTROLLERS)}",
+        f"--controllers={','.join(CONTROLLERS + list(extra_controllers))}",
         "--concurrent-deployment-syncs=10", "--concurrent-replicaset-syncs=10",
         "--horizontal-pod-autoscaler-sync-period=5s",
         "--profiling=false", "--v=1",

@@ -1,5 +1,5 @@
 """A very small Kubernetes REST client on httpx (raw JSON dicts, as in YAML),
-used by the process-backed node and the start-up health checks."""
+used by the start-up health checks and the tests."""
 from __future__ import annotations
 
 import json

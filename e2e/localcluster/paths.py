@@ -14,3 +14,5 @@ K8S_VERSION = (K8S_MODULE_DIR / "VERSION").read_text().strip()
 def cache_dir() -> Path:
     """The per-user cache (binaries keyed by version), outside the repository."""
     return Path(os.environ.get("KVPILOT_CACHE_DIR") or Path.home() / ".cache" / "kvpilot")
+PROJECT_VERSION = next(line.split('"')[1] for line in (REPO_ROOT / "pyproject.toml").read_text().splitlines()
+                       if line.startswith("version = "))

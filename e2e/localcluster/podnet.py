@@ -61,6 +61,11 @@ class PodNetwork:
         return f"/proc/{self.holder_pid}/ns/net"
 
     @property
+    def node_ip(self) -> str:
+        """The namespace's end of the veth pair: the node's InternalIP."""
+        return f"10.{self.octet}.255.253"
+
+    @property
     def cidr(self) -> str:
         return f"10.{self.octet}.0.0/16"
 
@@ -74,11 +79,16 @@ class PodNetwork:
             time.sleep(0.01)
         host, peer = f"kvp{self.octet}h", f"kvp{self.octet}p"
         _ip("link", "add", host, "type", "veth", "peer", "name", peer, "netns", str(self.holder_pid))
-        _ip("addr", "add", f"{self.gateway}/16", "dev", host)
+        _ip("addr", "add", f"{self.gateway}/24", "dev", host)
         _ip("link", "set", host, "up")
         _ip("link", "set", "lo", "up", netns=self.netns)
-        _ip("addr", "add", f"10.{self.octet}.255.253/16", "dev", peer, netns=self.netns)
+        _ip("addr", "add", f"{self.node_ip}/24", "dev", peer, netns=self.netns)
         _ip("link", "set", peer, "up", netns=self.netns)
+        # Pods and Services are routed through the namespace; it routes the rest back.
+        _ip("route", "add", self.cidr, "via", self.node_ip, "dev", host)
+        _ip("route", "add", "default", "via", self.gateway, netns=self.netns)
+        subprocess.run(["nsenter", f"--net={self.netns}", "sysctl", "-q", "-w",
+                        "net.ipv4.ip_forward=1"], check=True)
 
     @staticmethod
     def remove_leftover(octet: int) -> None:

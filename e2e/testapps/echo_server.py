@@ -3,7 +3,7 @@
   GET /healthz   -> ok (readiness probe)
   GET /message   -> the content of $MESSAGE_FILE (a mounted ConfigMap key)
   GET /metrics   -> Prometheus text: e2e_echo_requests_total, e2e_echo_up
-Usage: python echo_server.py --host $(POD_IP) --port 8080"""
+Usage: python echo_server.py --host 0.0.0.0 --port 8080   (all addresses: port-forward dials localhost)"""
 from __future__ import annotations
 
 import argparse
@@ -37,7 +37,7 @@ class Handler(BaseHTTPRequestHandler):
                     "# TYPE e2e_echo_up gauge\ne2e_echo_up 1\n")
             return self.reply(200, body, "text/plain; version=0.0.4")
         body = json.dumps({"pod": os.environ.get("POD_NAME"), "namespace": os.environ.get("POD_NAMESPACE"),
-                           "ip": self.server.server_address[0]})
+                           "ip": os.environ.get("POD_IP", self.server.server_address[0])})
         return self.reply(200, body, "application/json")
 
     def reply(self, code: int, body: str, ctype: str):

@@ -1,0 +1,105 @@
+"""The node's configuration builders and image archives, without a cluster."""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import tarfile
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from localcluster.addons import DNS_PORT, build_coredns
+from localcluster.nodeconfig import NodeLayout, cni_conflist, containerd_config, kube_proxy_config, kubelet_config
+from localcluster.ociarchive import BinaryImage, write_archive
+
+LAYOUT = NodeLayout(42, Path("/w/node"), Path("/c/containerd"))
+E2E = Path(__file__).resolve().parent
+
+
+def test_layout_addresses_do_not_overlap():
+    assert LAYOUT.node_ip == "10.42.255.253" and LAYOUT.dns_ip == "10.42.254.10"
+    assert LAYOUT.pod_subnet == "10.42.0.0/17" and LAYOUT.service_cidr == "10.42.254.0/24"
+
+
+def test_containerd_config_is_valid_toml_for_the_cri():
+    cfg = tomllib.loads(containerd_config(LAYOUT, cni_bin=Path("/cni"), runc="/usr/sbin/runc",
+                                          sandbox_image="docker.io/kvpilot/pause:v0.1.0"))
+    assert cfg["version"] == 3 and cfg["root"] == "/c/containerd"
+    assert cfg["grpc"]["address"] == "/w/node/containerd/containerd.sock"
+    runtime = cfg["plugins"]["io.containerd.cri.v1.runtime"]
+    runc = runtime["containerd"]["runtimes"]["runc"]
+    assert runc["options"]["BinaryName"] == "/usr/sbin/runc" and runc["options"]["SystemdCgroup"] is False
+    assert runtime["cni"]["bin_dirs"] == ["/cni"] and runtime["restrict_oom_score_adj"] is True
+    images = cfg["plugins"]["io.containerd.cri.v1.images"]
+    assert images["pinned_images"]["sandbox"] == "docker.io/kvpilot/pause:v0.1.0"
+
+
+def test_kubelet_config_accepts_cgroup_v1_and_points_at_containerd():
+    cfg = kubelet_config(LAYOUT, ca=Path("/ca"), serving_cert=Path("/c"), serving_key=Path("/k"),
+                         port=10250, cgroup_root="/kvpilot-x", resolv_conf=Path("/r"), max_pods=110)
+    assert cfg["failCgroupV1"] is False and cfg["cgroupDriver"] == "cgroupfs"
+    assert cfg["containerRuntimeEndpoint"] == "unix:///w/node/containerd/containerd.sock"
+    assert cfg["clusterDNS"] == ["10.42.254.10"] and cfg["cgroupRoot"] == "/kvpilot-x"
+    assert cfg["authentication"]["anonymous"]["enabled"] is False
+
+
+def test_cni_and_kube_proxy_share_the_cluster_cidr():
+    net = cni_conflist(LAYOUT)
+    assert [p["type"] for p in net["plugins"]] == ["bridge", "portmap"]
+    assert net["plugins"][0]["ipam"]["ranges"][0][0]["subnet"] == LAYOUT.pod_subnet
+    proxy = kube_proxy_config(LAYOUT, kubeconfig=Path("/kc"), node_name="n", metrics_port=1)
+    assert proxy["mode"] == "iptables" and proxy["clusterCIDR"] == "10.42.0.0/16"
+
+
+def test_binary_image_archive_is_an_oci_layout_named_for_containerd(tmp_path):
+    exe = tmp_path / "pause"
+    exe.write_bytes(b"\x7fELF not really")
+    out = write_archive(BinaryImage("docker.io/kvpilot/pause:v1", exe, "/pause"), tmp_path / "a.tar")
+    again = write_archive(BinaryImage("docker.io/kvpilot/pause:v1", exe, "/pause"), tmp_path / "b.tar")
+    assert out.read_bytes() == again.read_bytes(), "same inputs, same bytes (same digest)"
+    with tarfile.open(out) as tar:
+        files = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    index = json.loads(files["index.json"])
+    (desc,) = index["manifests"]
+    assert desc["annotations"]["io.containerd.image.name"] == "docker.io/kvpilot/pause:v1"
+    blob = lambda d: files["blobs/sha256/" + d.split(":")[1]]  # noqa: E731
+    for name, data in files.items():
+        if name.startswith("blobs/sha256/"):
+            assert hashlib.sha256(data).hexdigest() == name.rsplit("/", 1)[1]
+    manifest = json.loads(blob(desc["digest"]))
+    config = json.loads(blob(manifest["config"]["digest"]))
+    assert config["config"]["Entrypoint"] == ["/pause"] and config["config"]["User"] == "65532:65532"
+    layer = blob(manifest["layers"][0]["digest"])
+    assert config["rootfs"]["diff_ids"] == ["sha256:" + hashlib.sha256(layer).hexdigest()]
+
+
+def test_coredns_serves_the_kubelets_dns_address_unprivileged():
+    docs = {d["kind"]: d for d in build_coredns("docker.io/kvpilot/coredns:v1.15.0", "10.42.254.10")}
+    assert docs["Service"]["spec"]["clusterIP"] == "10.42.254.10"
+    assert {p["targetPort"] for p in docs["Service"]["spec"]["ports"] if p["port"] == 53} == {DNS_PORT}
+    c = docs["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert c["securityContext"]["readOnlyRootFilesystem"] and c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert "kubernetes cluster.local" in docs["ConfigMap"]["data"]["Corefile"]
+
+
+def test_preflight_names_what_is_missing(monkeypatch):
+    from localcluster import kubeletnode
+    real = shutil.which
+    monkeypatch.setattr(kubeletnode.shutil, "which", lambda c: None if c == "runc" else real(c))
+    problems = kubeletnode.preflight()
+    assert any("`runc`" in p for p in problems)
+    assert not any("`iptables`" in p for p in problems)
+
+
+@pytest.mark.parametrize("module", ["deviceplugin", "pause"])
+def test_the_go_parts_pass_their_own_tests(module):
+    """The device plugin (registration, ListAndWatch, Allocate, re-registration) and pause
+    (exits 0 on SIGTERM, reaps zombies as PID 1) have Go tests; run them here so CI does."""
+    if shutil.which("go") is None:
+        pytest.skip("Go is not installed")
+    r = subprocess.run(["go", "test", "-count=1", "./..."], cwd=E2E / module, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
