@@ -134,7 +134,8 @@ inputs() {
         {
             printf '%s\n' Containerfile .dockerignore pyproject.toml README.md
             find engine kernels operator -type f ! -path '*/__pycache__/*' ! -name '*.pyc'
-            find "$here" -maxdepth 1 -type f -name '*.sh'
+            # Relative paths: the hash must not depend on where the clone is.
+            find "${here#"$repo"/}" -maxdepth 1 -type f -name '*.sh'
         } | LC_ALL=C sort | tr '\n' '\0' | xargs -0 sha256sum
     )
     echo "$3"
