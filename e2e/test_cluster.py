@@ -295,7 +295,7 @@ def test_restricted_pod_security_is_enforced(cluster, namespace):
 
 def test_a_service_answers_on_its_cluster_ip_and_dns_name_from_another_pod(cluster, echo, wait_for):
     kube = cluster.kube()
-    wait_for(lambda: deployment_available(kube, echo, 1), timeout=90, what="Deployment echo Available")
+    wait_for(lambda: ready_pods(kube, echo), timeout=90, what="a ready echo pod")
     ip = kube.get(f"/api/v1/namespaces/{echo}/services/echo")["spec"]["clusterIP"]
     script = ("import json, urllib.request\n"
               f"for url in ('http://{ip}/', 'http://echo/', 'http://echo.{echo}.svc.cluster.local/'):\n"
@@ -310,7 +310,7 @@ def test_a_service_answers_on_its_cluster_ip_and_dns_name_from_another_pod(clust
 
 def test_kubectl_exec_and_port_forward(cluster, echo, wait_for):
     kube = cluster.kube()
-    wait_for(lambda: deployment_available(kube, echo, 1), timeout=90, what="Deployment echo Available")
+    wait_for(lambda: ready_pods(kube, echo), timeout=90, what="a ready echo pod")
     pod = ready_pods(kube, echo)[0]["metadata"]["name"]
     out = cluster.kubectl("exec", pod, "-n", echo, "--", "kvpilot", "--version").stdout
     assert out.strip().startswith("kvpilot ")

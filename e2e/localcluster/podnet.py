@@ -1,12 +1,10 @@
-"""The pod network of one local cluster: a network namespace holding every
-pod, joined to the host by a veth pair. Each pod gets its own address
-10.K.x.y on that namespace's loopback device, so all pods can listen on the
-same port; the host side of the veth is the gateway 10.K.255.254, where the
-API server, Prometheus and the node's endpoint listen, reachable from the host
-and from pods alike.
-
-Why not 127.x.y.z pod addresses: the API server refuses loopback addresses in
-EndpointSlices (ValidateEndpointIP), so Services would get no endpoints.
+"""The network of one local cluster: a network namespace holding the node
+(containerd, kubelet, kube-proxy) and, through its CNI bridge, every pod's own
+namespace, joined to the host by a veth pair: the node's end 10.K.255.253, the
+host's 10.K.255.254, where the API server and Prometheus listen, reachable from
+the host and from pods alike. The host routes 10.K.0.0/16 (pods, Services) into
+the namespace, which forwards between the veth and the bridge (nodeconfig.py
+has the addresses).
 
 The namespace is held by a `sleep` process made by `unshare --net`; the kernel
 removes the namespace and the veth pair once that process and the pods are
@@ -96,12 +94,3 @@ class PodNetwork:
         (normally the kernel removes it with the namespace)."""
         if subprocess.run(["ip", "link", "show", f"kvp{octet}h"], capture_output=True).returncode == 0:
             subprocess.run(["ip", "link", "del", f"kvp{octet}h"], capture_output=True)
-
-    def add_address(self, ip: str) -> None:
-        _ip("addr", "add", f"{ip}/32", "dev", "lo", netns=self.netns)
-
-    def del_address(self, ip: str) -> None:
-        try:
-            _ip("addr", "del", f"{ip}/32", "dev", "lo", netns=self.netns)
-        except subprocess.CalledProcessError:
-            pass
