@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import shutil
 import subprocess
@@ -12,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from localcluster.addons import DNS_PORT, build_coredns
+from localcluster.kubeletnode import node_dirs_with_mounts
 from localcluster.nodeconfig import NodeLayout, cni_conflist, containerd_config, kube_proxy_config, kubelet_config
 from localcluster.ociarchive import BinaryImage, write_archive
+from localcluster.podnet import PodNetwork
 
 LAYOUT = NodeLayout(42, Path("/w/node"), Path("/c/containerd"))
 E2E = Path(__file__).resolve().parent
@@ -22,6 +25,27 @@ E2E = Path(__file__).resolve().parent
 def test_layout_addresses_do_not_overlap():
     assert LAYOUT.node_ip == "10.42.255.253" and LAYOUT.dns_ip == "10.42.254.10"
     assert LAYOUT.pod_subnet == "10.42.0.0/17" and LAYOUT.service_cidr == "10.42.254.0/24"
+    cluster = ipaddress.ip_network(LAYOUT.cluster_cidr)
+    pods, services = ipaddress.ip_network(LAYOUT.pod_subnet), ipaddress.ip_network(LAYOUT.service_cidr)
+    assert pods.subnet_of(cluster) and services.subnet_of(cluster) and not pods.overlaps(services)
+    for ip in (LAYOUT.node_ip, LAYOUT.host_ip, LAYOUT.dns_ip, LAYOUT.pod_gateway):
+        assert ipaddress.ip_address(ip) in cluster
+    assert ipaddress.ip_address(LAYOUT.dns_ip) in services
+    assert not {LAYOUT.node_ip, LAYOUT.host_ip} & {str(a) for a in (*pods, *services)}
+
+
+def test_the_pod_network_and_the_node_share_one_set_of_addresses():
+    net = PodNetwork(42, holder_pid=1)
+    assert (net.node_ip, net.host_ip, net.cluster_cidr) == (LAYOUT.node_ip, LAYOUT.host_ip,
+                                                             LAYOUT.cluster_cidr)
+
+
+def test_stale_node_mounts_are_found_by_their_node_folder():
+    points = ["/tmp/p/localcluster0/node/kubelet",
+              "/tmp/p/localcluster0/node/kubelet/pods/u/volumes/kubernetes.io~projected/x",
+              "/tmp/q/node/containerd/state/io.containerd.grpc.v1.cri/sandboxes/abc/shm",
+              "/var/lib/kubelet/pods/u/volumes/x", "/proc", "/tmp/r/node/other"]
+    assert node_dirs_with_mounts(points) == ["/tmp/p/localcluster0/node", "/tmp/q/node"]
 
 
 def test_containerd_config_is_valid_toml_for_the_cri():

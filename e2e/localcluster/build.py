@@ -12,18 +12,19 @@ K8S_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-sched
                 "kubelet", "kube-proxy")
 
 
-def _version(module: str) -> str:
+def version_of(module: str) -> str:
+    """The pinned version of an e2e Go module (its VERSION file)."""
     return (E2E_DIR / module / "VERSION").read_text().strip()
 
 
 def _ensure(module: str, binaries: tuple[str, ...]) -> Path:
-    d = cache_dir() / module / _version(module) / "bin"
+    d = cache_dir() / module / version_of(module) / "bin"
     if (d / ".complete").exists() and all((d / b).exists() for b in binaries):
         return d
     r = subprocess.run([str(E2E_DIR / module / "build.sh")], stdout=subprocess.PIPE, stderr=None,
                        text=True)
     if r.returncode != 0:
-        raise RuntimeError(f"building {module} {_version(module)} failed (see the output above)")
+        raise RuntimeError(f"building {module} {version_of(module)} failed (see the output above)")
     return Path(r.stdout.strip().splitlines()[-1])
 
 
@@ -31,10 +32,6 @@ def ensure_binaries() -> Path:
     """The bin folder with etcd, kube-apiserver, kube-controller-manager,
     kube-scheduler, kubectl, kubelet and kube-proxy."""
     return _ensure("k8s", K8S_BINARIES)
-
-
-def version_of(module: str) -> str:
-    return _version(module)
 
 
 def ensure_node_binaries() -> dict[str, Path]:

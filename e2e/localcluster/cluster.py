@@ -32,9 +32,10 @@ from .certs import Pki, make_pki
 from .controlplane import Ports, apiserver_argv, controller_manager_argv, etcd_argv, scheduler_argv
 from .kube import Credentials, Kube
 from .kubeconfig import write_kubeconfig
-from .kubeletnode import (CGROUP_PREFIX, COREDNS_IMAGE_REPO, Ctr, preflight, sweep_stale, NodeBinaries, containerd_argv, device_plugin_argv,
-                          ensure_binary_archives, kube_proxy_argv, kubelet_argv, root_in_use,
-                          shared_containerd_root, sweep, unmount_under, write_node_files)
+from .kubeletnode import (CGROUP_PREFIX, COREDNS_IMAGE_REPO, Ctr, NodeBinaries, containerd_argv,
+                          device_plugin_argv, ensure_binary_archives, kube_proxy_argv, kubelet_argv,
+                          preflight, root_in_use, shared_containerd_root, sweep_stale, unmount_stale,
+                          unmount_under, write_node_files)
 from .nodeconfig import NodeLayout
 from .paths import K8S_VERSION
 from .podnet import PodNetwork, choose_octet
@@ -196,6 +197,8 @@ class LocalCluster:
         stale = sweep_stale()
         if stale:
             self._log(f"stopped {len(stale)} container processes a cluster that died had left")
+        for d in unmount_stale():
+            self._log(f"unmounted what a cluster that died had left under {d}")
         cgroup_root = f"/{CGROUP_PREFIX}{self.cluster_id}"
         self.state.update(cgroup_root=cgroup_root, dns_ip=layout.dns_ip,
                           containerd_socket=str(layout.containerd_socket),
@@ -225,8 +228,7 @@ class LocalCluster:
         holder = self._spawn("podnet", ["unshare", "--net", "--", "sleep", "infinity"])
         net = PodNetwork(octet, holder.pid)
         net.setup()
-        gw = net.gateway
-        service_cidr = f"10.{octet}.254.0/24"  # NodeLayout.service_cidr
+        gw = net.host_ip
         ports = Ports(etcd_client=free_port(), etcd_peer=free_port(), apiserver=free_port(gw),
                       controller_manager=free_port(), scheduler=free_port(), prometheus=free_port(gw))
         self.state.update(gateway=gw, net_octet=octet, ports=ports.__dict__,
@@ -248,12 +250,12 @@ class LocalCluster:
         self._spawn("etcd", etcd_argv(bin_dir, self.workdir / "etcd", ports))
         self._wait("etcd", lambda: httpx.get(f"http://127.0.0.1:{ports.etcd_client}/health",
                                              timeout=2).status_code == 200)
-        self._spawn("kube-apiserver", apiserver_argv(bin_dir, pki, ports, gw, service_cidr))
+        self._spawn("kube-apiserver", apiserver_argv(bin_dir, pki, ports, gw, net.service_cidr))
         kube = Kube(creds, timeout=10)
         self._wait("kube-apiserver", lambda: kube.http.get("/readyz").status_code == 200, timeout=180)
 
         self._spawn("kube-controller-manager",
-                    controller_manager_argv(bin_dir, pki, ports, kcm_kc, service_cidr,
+                    controller_manager_argv(bin_dir, pki, ports, kcm_kc, net.service_cidr,
                                             KUBELET_NODE_CONTROLLERS))
         self._spawn("kube-scheduler", scheduler_argv(bin_dir, ports, sched_kc))
         self._start_kubelet_node(net, pki, kube)
@@ -332,7 +334,7 @@ class LocalCluster:
     def _sweep_kubelet_node(self) -> None:
         """Once the kubelet is gone, no pod may outlive the cluster: kill what is left in the
         node's cgroups and drop the containers from containerd's store."""
-        killed = sweep(self.state["cgroup_root"])
+        killed = cgroups.kill_and_remove(self.state["cgroup_root"])
         if killed:
             self._log(f"stopped {len(killed)} container processes")
         proc = self.procs.get("containerd")

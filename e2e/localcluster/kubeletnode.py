@@ -11,6 +11,7 @@ which the kubelet's fixed device-plugin folder requires anyway."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import tarfile
@@ -70,17 +71,20 @@ def shared_containerd_root() -> Path:
     return cache_dir() / "node" / "containerd"
 
 
+def _root_lock(root: Path) -> Path:
+    """The flock a running containerd holds on its root: one node per root, and so per machine."""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    return root.parent / (root.name + ".lock")
+
+
 def root_in_use(root: Path) -> bool:
-    lock = root.parent / (root.name + ".lock")
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(["flock", "-n", str(lock), "true"]).returncode != 0
+    return subprocess.run(["flock", "-n", str(_root_lock(root)), "true"]).returncode != 0
 
 
 def containerd_argv(bins: NodeBinaries, config: Path, root: Path, netns: str) -> list[str]:
     """containerd in the pod network's namespace, holding the root's lock while it runs."""
-    lock = root.parent / (root.name + ".lock")
     # --no-fork: flock execs, so containerd itself holds the lock and gets our signals.
-    return ["flock", "--no-fork", "-n", str(lock), "nsenter", f"--net={netns}", "--",
+    return ["flock", "--no-fork", "-n", str(_root_lock(root)), "nsenter", f"--net={netns}", "--",
             str(bins.containerd / "containerd"), "--config", str(config)]
 
 
@@ -233,11 +237,6 @@ def sweep_stale() -> list[int]:
     return killed
 
 
-def sweep(cgroup_root: str) -> list[int]:
-    """Kills every container process of the node (by cgroup) and removes the cgroups."""
-    return kill_and_remove(cgroup_root)
-
-
 def mounts_under(path: Path) -> list[str]:
     """Mount points at or below `path` (pod volumes, container root filesystems, netns files)."""
     prefix = str(path.resolve()).rstrip("/") + "/"
@@ -247,6 +246,26 @@ def mounts_under(path: Path) -> list[str]:
         if (point + "/").startswith(prefix):
             found.append(point)
     return found
+
+
+# What a local node mounts under its workdir's node/ folder: the kubelet's root (bind-mounted
+# onto itself to make it rshared), pod volumes, and containerd's sandbox files and rootfs.
+_NODE_MOUNT = re.compile(r"(.+/node)/(kubelet(/pods/.*)?|containerd/state/.*)")
+
+
+def node_dirs_with_mounts(points: list[str]) -> list[str]:
+    """The local nodes' folders that hold any of these mount points."""
+    return sorted({m[1] for m in map(_NODE_MOUNT.fullmatch, points) if m})
+
+
+def unmount_stale() -> list[str]:
+    """Unmounts what the nodes of dead clusters left (a run killed before its teardown):
+    one node per machine, so before this one starts, any such mount is stale.
+    Returns the node folders it cleared."""
+    stale = node_dirs_with_mounts(mounts_under(Path("/")))
+    for d in stale:
+        unmount_under(Path(d))
+    return stale
 
 
 def unmount_under(path: Path) -> None:

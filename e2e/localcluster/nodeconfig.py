@@ -1,50 +1,21 @@
 """The configuration files of the local cluster's node, as pure functions of
-its folders and addresses: containerd's config.toml, the CNI network list,
-the KubeletConfiguration and the KubeProxyConfiguration.
-
-The network, inside the cluster's own network namespace (podnet.py):
-  cni0 bridge   10.K.0.1/17, pods 10.K.0.2 .. 10.K.127.254 (host-local IPAM)
-  veth          10.K.255.253 (the node's InternalIP) <-> 10.K.255.254 on the host
-  Services      10.K.254.0/24 (kube-proxy's iptables rules live in the namespace)
-  cluster DNS   10.K.254.10"""
+its folders and addresses (addresses.py): containerd's config.toml, the CNI
+network list, the KubeletConfiguration and the KubeProxyConfiguration."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .addresses import ClusterAddresses
+
 CLUSTER_DOMAIN = "cluster.local"
 
 
 @dataclass(frozen=True)
-class NodeLayout:
-    octet: int
+class NodeLayout(ClusterAddresses):
     workdir: Path          # per-cluster: sockets, kubelet root, logs, CNI state
     containerd_root: Path  # images and snapshots; may be shared by successive clusters
-
-    @property
-    def node_ip(self) -> str:
-        return f"10.{self.octet}.255.253"
-
-    @property
-    def pod_subnet(self) -> str:
-        return f"10.{self.octet}.0.0/17"
-
-    @property
-    def pod_gateway(self) -> str:
-        return f"10.{self.octet}.0.1"
-
-    @property
-    def cluster_cidr(self) -> str:
-        return f"10.{self.octet}.0.0/16"
-
-    @property
-    def service_cidr(self) -> str:
-        return f"10.{self.octet}.254.0/24"
-
-    @property
-    def dns_ip(self) -> str:
-        return f"10.{self.octet}.254.10"
 
     @property
     def containerd_state(self) -> Path:

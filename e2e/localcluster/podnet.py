@@ -3,7 +3,7 @@
 namespace, joined to the host by a veth pair: the node's end 10.K.255.253, the
 host's 10.K.255.254, where the API server and Prometheus listen, reachable from
 the host and from pods alike. The host routes 10.K.0.0/16 (pods, Services) into
-the namespace, which forwards between the veth and the bridge (nodeconfig.py
+the namespace, which forwards between the veth and the bridge (addresses.py
 has the addresses).
 
 The namespace is held by a `sleep` process made by `unshare --net`; the kernel
@@ -18,6 +18,8 @@ import random
 import subprocess
 import time
 from dataclasses import dataclass
+
+from .addresses import ClusterAddresses
 
 
 def _ip(*args: str, netns: str | None = None) -> str:
@@ -46,26 +48,12 @@ def choose_octet() -> int:
 
 
 @dataclass(frozen=True)
-class PodNetwork:
-    octet: int
+class PodNetwork(ClusterAddresses):
     holder_pid: int
-
-    @property
-    def gateway(self) -> str:
-        return f"10.{self.octet}.255.254"
 
     @property
     def netns(self) -> str:
         return f"/proc/{self.holder_pid}/ns/net"
-
-    @property
-    def node_ip(self) -> str:
-        """The namespace's end of the veth pair: the node's InternalIP."""
-        return f"10.{self.octet}.255.253"
-
-    @property
-    def cidr(self) -> str:
-        return f"10.{self.octet}.0.0/16"
 
     def setup(self) -> None:
         """Links the holder's namespace to the host with a veth pair."""
@@ -77,14 +65,14 @@ class PodNetwork:
             time.sleep(0.01)
         host, peer = f"kvp{self.octet}h", f"kvp{self.octet}p"
         _ip("link", "add", host, "type", "veth", "peer", "name", peer, "netns", str(self.holder_pid))
-        _ip("addr", "add", f"{self.gateway}/24", "dev", host)
+        _ip("addr", "add", f"{self.host_ip}/24", "dev", host)
         _ip("link", "set", host, "up")
         _ip("link", "set", "lo", "up", netns=self.netns)
         _ip("addr", "add", f"{self.node_ip}/24", "dev", peer, netns=self.netns)
         _ip("link", "set", peer, "up", netns=self.netns)
         # Pods and Services are routed through the namespace; it routes the rest back.
-        _ip("route", "add", self.cidr, "via", self.node_ip, "dev", host)
-        _ip("route", "add", "default", "via", self.gateway, netns=self.netns)
+        _ip("route", "add", self.cluster_cidr, "via", self.node_ip, "dev", host)
+        _ip("route", "add", "default", "via", self.host_ip, netns=self.netns)
         subprocess.run(["nsenter", f"--net={self.netns}", "sysctl", "-q", "-w",
                         "net.ipv4.ip_forward=1"], check=True)
 
