@@ -1,13 +1,24 @@
-"""`kvpilot bench throughput`: offline throughput of the engine, or of plain
-transformers `generate` in static batches, on the same random prompts."""
+"""`kvpilot bench throughput`: offline throughput of the engine, of plain transformers
+`generate` in static batches, and of real vLLM's `LLM.generate` (run by another
+interpreter), on the same random token-id prompts and output lengths."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+VLLM_PEER = Path(__file__).with_name("bench_vllm_peer.py")
+# What vLLM's CPU backend needs on this kind of machine (install-vllm-cpu.sh says why);
+# the caller's environment wins.
+VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
 
 
 @dataclass
@@ -44,21 +55,19 @@ def sample_lengths(n: int, mean: int, range_ratio: float, rng: random.Random) ->
     return [rng.randint(lo, hi) for _ in range(n)]
 
 
-def make_workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(args.seed)
+def make_workload(args, vocab_size: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
     inputs = sample_lengths(args.num_prompts, args.input_len, args.range_ratio, rng)
     outputs = sample_lengths(args.num_prompts, args.output_len, args.range_ratio, rng)
     # Avoid the lowest ids, where a tokenizer keeps its special tokens.
     return [([rng.randrange(16, vocab_size) for _ in range(i)], o) for i, o in zip(inputs, outputs)]
 
 
-def run_kvpilot(args, workload) -> ThroughputResult:
+def run_kvpilot(config, workload) -> ThroughputResult:
     from .llm import LLM
     from .sampling_params import SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len)
+    llm = LLM(**vars(config))
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for _, o in workload]
     start = time.perf_counter()
     outs = llm.generate([p for p, _ in workload], params)
@@ -68,16 +77,16 @@ def run_kvpilot(args, workload) -> ThroughputResult:
                             sum(len(o.outputs[0].token_ids) for o in outs))
 
 
-def run_hf(args, workload) -> ThroughputResult:
+def run_hf(args, config, workload) -> ThroughputResult:
     import torch
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
     from .model_source import resolve_model
 
-    path = resolve_model(args.model)
+    path = resolve_model(config.model)
     dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16}[args.dtype]
+             "float16": torch.float16}[config.dtype]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     pad = 0
@@ -98,6 +107,32 @@ def run_hf(args, workload) -> ThroughputResult:
     return ThroughputResult("hf", len(workload), elapsed, sum(len(p) for p, _ in workload), useful)
 
 
+def run_vllm(args, config, workload, enforce_eager: bool) -> ThroughputResult:
+    """The workload through vLLM's offline API, in a subprocess of `--vllm-python`."""
+    from .model_source import resolve_model
+
+    with tempfile.TemporaryDirectory(prefix="kvpilot-vllm-") as tmp:
+        result_file = Path(tmp) / "result.json"
+        spec = {"model": str(resolve_model(config.model)), "dtype": config.dtype,
+                "enforce_eager": enforce_eager, "max_num_seqs": config.max_num_seqs,
+                "max_model_len": config.max_model_len, "seed": config.seed,
+                "enable_prefix_caching": config.enable_prefix_caching,
+                "prompts": [p for p, _ in workload], "output_lens": [o for _, o in workload],
+                "result_file": str(result_file)}
+        mode = "eager" if enforce_eager else "compiled"
+        print(f"vllm ({mode}): {args.vllm_python} {VLLM_PEER.name}", file=sys.stderr, flush=True)
+        # cwd /: a source checkout's operator/ folder would shadow the standard library's.
+        # Its stdout goes to our stderr (fd 2), so --json's stdout stays one document.
+        proc = subprocess.run([args.vllm_python, str(VLLM_PEER)], input=json.dumps(spec), text=True,
+                              stdout=2, cwd="/", env={**VLLM_CPU_ENV, **os.environ})
+        if proc.returncode != 0 or not result_file.exists():
+            raise ValueError(f"the vLLM run ({mode}) failed with exit status {proc.returncode}; "
+                             "its output is above")
+        r = json.loads(result_file.read_text())
+    return ThroughputResult(f"vllm-{mode}", r["num_requests"], r["elapsed_s"], r["prompt_tokens"],
+                            r["output_tokens"])
+
+
 def print_result(r: ThroughputResult) -> None:
     print(f"{'=' * 16} Throughput Benchmark Result ({r.backend}) {'=' * 16}")
     print(f"{'Successful requests:':<40}{r.num_requests:<10}")
@@ -111,37 +146,65 @@ def print_result(r: ThroughputResult) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from .engine_args import engine_config_from_args
     from .model_config import ModelConfig
     from .model_source import resolve_model
 
-    vocab = ModelConfig.from_dir(resolve_model(args.model)).vocab_size
-    workload = make_workload(args, vocab)
-    results = []
+    config = engine_config_from_args(args)
+    if config.simulate is not None:
+        raise ValueError("bench throughput measures the real engine; a simulated accelerator's "
+                         "throughput comes from `kvpilot sim run`")
+    vocab = ModelConfig.from_dir(resolve_model(config.model)).vocab_size
+    if "vllm" in args.backend and not args.vllm_python:
+        raise ValueError("--backend vllm needs --vllm-python PATH (a Python with vLLM installed; "
+                         "../shared/tools/install-vllm-cpu.sh makes one)")
+    workload = make_workload(args, vocab, config.seed)
+    runs = []
     for backend in args.backend:
-        result = run_kvpilot(args, workload) if backend == "kvpilot" else run_hf(args, workload)
+        if backend == "kvpilot":
+            runs.append(lambda: run_kvpilot(config, workload))
+        elif backend == "hf":
+            runs.append(lambda: run_hf(args, config, workload))
+        else:
+            modes = {"eager": [True], "compiled": [False], "both": [True, False]}[args.vllm_mode]
+            runs += [lambda eager=eager: run_vllm(args, config, workload, eager) for eager in modes]
+    results = []
+    for run in runs:
+        result = run()
         results.append(result)
         if not args.json:
             print_result(result)
+    if len(results) > 1 and not args.json:
+        print_comparison(results)
     if args.json:
         print(json.dumps([r.as_dict() for r in results], indent=2))
     return 0
 
 
+def print_comparison(results: list[ThroughputResult]) -> None:
+    """Every backend's output tokens/s, and each as a multiple of kvpilot's."""
+    ours = next((r.output_tokens_per_s for r in results if r.backend == "kvpilot"), None)
+    print(f"{'backend':<20}{'output tok/s':>14}{'vs kvpilot':>12}")
+    for r in results:
+        ratio = f"{r.output_tokens_per_s / ours:.2f}x" if ours else "-"
+        print(f"{r.backend:<20}{r.output_tokens_per_s:>14.1f}{ratio:>12}")
+
+
 def add_parser(sub) -> None:
+    from .engine_args import add_engine_args
+
     p = sub.add_parser("throughput", help="offline throughput (kvpilot engine or transformers)")
-    p.add_argument("--model", required=True)
+    add_engine_args(p)
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.0,
                    help="lengths drawn uniformly from [len*(1-r), len*(1+r)]")
-    p.add_argument("--backend", nargs="+", default=["kvpilot"], choices=("kvpilot", "hf"))
+    p.add_argument("--backend", nargs="+", default=["kvpilot"], choices=("kvpilot", "hf", "vllm"))
     p.add_argument("--hf-batch-size", type=int, default=16)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory", default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="the interpreter of a virtualenv with vLLM, for --backend vllm")
+    p.add_argument("--vllm-mode", default="both", choices=("eager", "compiled", "both"),
+                   help="vLLM with enforce_eager=True, its default compiled mode, or both")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_run)

@@ -7,61 +7,9 @@ import json
 import logging
 import sys
 
-from .config import ATTENTION_BACKENDS, DTYPE_CHOICES, EngineConfig
-from .flags import add_dataclass_flags, dataclass_from_args
-from .sim.config import SimulationConfig
+from .engine_args import add_engine_args, engine_config_from_args
 
-SIMULATE_PREFIX = "simulate_"
 COMMANDS_GROUP = "kvpilot.commands"  # entry points: add_parser(subparsers) of more commands
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags, named as vLLM names them, and the simulated accelerator's."""
-    p.add_argument("--model", default=None,
-                   help="model directory, file:///PATH or builtin:tiny (with --simulate: optional)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16)
-    mem = p.add_mutually_exclusive_group()
-    mem.add_argument("--kv-cache-memory", default=None,
-                     help="KV cache size in bytes (64Mi, 1G and plain integers work); CPU default 1Gi")
-    mem.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch's intra-op threads on the CPU (default: torch's, one per core); fewer "
-                        "leave cores to the HTTP server and its clients, as vLLM's CPU backend does")
-    sim = p.add_argument_group(
-        "simulated accelerator", "the real scheduler, KV cache manager, server and metrics, with "
-        "the forward pass replaced by a timing model (no GPU, no weights)")
-    add_dataclass_flags(sim, SimulationConfig, SIMULATE_PREFIX, {"accelerator": "--simulate"})
-
-
-def simulation_config_from_args(args: argparse.Namespace) -> SimulationConfig | None:
-    if getattr(args, "simulate_accelerator", None) is None:
-        given = [f"--{k.replace('_', '-')}" for k, v in vars(args).items()
-                 if k.startswith(SIMULATE_PREFIX) and v is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)} need --simulate ACCELERATOR")
-        return None
-    return dataclass_from_args(SimulationConfig, args, SIMULATE_PREFIX)
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
-        device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=args.enable_prefix_caching,
-        attention_backend=args.attention_backend, seed=args.seed, cpu_threads=args.cpu_threads,
-        simulate=simulation_config_from_args(args),
-    )
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
@@ -85,7 +33,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     llm = LLM(**vars(config))
     params = SamplingParams(
-        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=config.seed,
         top_p=args.top_p, top_k=args.top_k,
     )
     out = llm.generate([args.prompt], params, use_tqdm=False)[0]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .quantity import parse_bytes
 from .sim.config import SimulationConfig
@@ -10,26 +10,47 @@ from .validation import positive_int
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when the user gives nothing on CPU
+
+
+def _setting(default, help: str, **flag) -> object:
+    """A field with the help text (and argparse extras: choices, exclusive) its flag takes."""
+    return field(default=default, metadata={"help": help, **flag})
 
 
 @dataclass
 class EngineConfig:
-    model: str | None  # a model directory or builtin:tiny; with `simulate`, may be left out
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"  # auto | cpu | cuda
-    max_num_seqs: int = 256
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    kv_cache_memory: int | str | None = None  # bytes; CPU default 1 GiB
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
-    seed: int = 0
-    cpu_threads: int | None = None  # torch's intra-op threads on the CPU (None: torch's default)
-    simulate: SimulationConfig | None = None  # a timing model in place of the forward pass
+    """Every engine setting, once: `kvpilot serve/generate/bench/sim` generate their
+    flags from these fields (flags.py), named as vLLM names them."""
+
+    model: str | None = _setting(
+        None, "model directory, file:///PATH or builtin:tiny (with --simulate: optional)")
+    served_model_name: str | None = _setting(None, "the model name the API answers to (default: --model)")
+    dtype: str = _setting("auto", "weights' and activations' dtype (auto: the checkpoint's; float32 on CPU)",
+                          choices=DTYPE_CHOICES)
+    device: str = _setting("auto", "where the model runs (auto: cuda when present)", choices=DEVICE_CHOICES)
+    max_num_seqs: int = _setting(256, "most sequences in one step's batch (live-tunable)")
+    max_model_len: int | None = _setting(
+        None, "longest prompt + output (live-tunable; default: the model's max_position_embeddings)")
+    max_num_batched_tokens: int = _setting(2048, "most tokens in one step (the chunked-prefill budget)")
+    block_size: int = _setting(16, "tokens per KV cache block", choices=BLOCK_SIZES)
+    kv_cache_memory: int | str | None = _setting(
+        None, "KV cache size in bytes (64Mi, 1G and plain integers work); CPU default 1Gi",
+        exclusive="kv_cache_size")
+    gpu_memory_utilization: float = _setting(
+        0.9, "fraction of the GPU's memory for weights, activations and the KV cache",
+        exclusive="kv_cache_size")
+    enable_prefix_caching: bool = _setting(True, "share the KV blocks of identical prompt prefixes")
+    attention_backend: str = _setting("auto", "paged attention kernels (auto: triton on CUDA, torch "
+                                      "on CPU)", choices=ATTENTION_BACKENDS)
+    seed: int = _setting(0, "torch's global seed, and the base of unseeded requests' seeds")
+    cpu_threads: int | None = _setting(
+        None, "torch's intra-op threads on the CPU (default: torch's, one per core); fewer leave "
+              "cores to the HTTP server and its clients, as vLLM's CPU backend does")
+    # Its own flags (--simulate, --simulate-*), from SimulationConfig's fields.
+    simulate: SimulationConfig | None = field(default=None, metadata={"flag": False})
 
     def __post_init__(self) -> None:
         if isinstance(self.simulate, dict):
@@ -45,8 +66,8 @@ class EngineConfig:
             raise ValueError("model must be a model directory or builtin:tiny")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device not in DEVICE_CHOICES:
+            raise ValueError(f"device must be one of {DEVICE_CHOICES}, got {self.device!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
@@ -56,8 +77,8 @@ class EngineConfig:
         if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or not isinstance(
                 self.cpu_threads, int) or not 1 <= self.cpu_threads <= 1024):
             raise ValueError(f"cpu_threads must be an integer in [1, 1024], got {self.cpu_threads!r}")
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {self.block_size}")
         if self.max_model_len is not None:
             positive_int("max_model_len", self.max_model_len)
         if self.kv_cache_memory is not None:

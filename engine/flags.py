@@ -19,14 +19,25 @@ def _scalar(tp) -> type:
     return args[0] if args and args[0] in (int, float, str, bool) else str
 
 
+def _flag_fields(cls):
+    """The fields that get a flag: init fields not marked `metadata={"flag": False}`."""
+    return [f for f in fields(cls) if f.init and f.metadata.get("flag", True)]
+
+
 def add_dataclass_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls, prefix: str,
                         flag_names: dict[str, str] | None = None) -> None:
-    """One `--PREFIX-FIELD` flag per init field of `cls` (or the name in flag_names).
-    Every default is None, so `dataclass_from_args` can tell what the user set."""
+    """One `--PREFIX-FIELD` flag per flag field of `cls` (or the name in flag_names), with
+    the field's metadata: `help`, `choices`, and `exclusive` (fields sharing a name go in one
+    mutually exclusive group). Every default is None, so `dataclass_from_args` can tell
+    what the user set."""
     hints = typing.get_type_hints(cls)
-    for f in fields(cls):
-        if not f.init:
-            continue
+    groups: dict[str, argparse._MutuallyExclusiveGroup] = {}
+    for f in _flag_fields(cls):
+        target = parser
+        if "exclusive" in f.metadata:
+            if f.metadata["exclusive"] not in groups:
+                groups[f.metadata["exclusive"]] = parser.add_mutually_exclusive_group()
+            target = groups[f.metadata["exclusive"]]
         flag = (flag_names or {}).get(f.name) or "--" + f"{prefix}{f.name}".replace("_", "-")
         default = None if f.default is MISSING else f.default
         help_text = f.metadata.get("help", "")
@@ -35,15 +46,18 @@ def add_dataclass_flags(parser: argparse.ArgumentParser | argparse._ArgumentGrou
         kind = _scalar(hints[f.name])
         dest = f"{prefix}{f.name}"
         if kind is bool:
-            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None,
+            target.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)
+        elif "choices" in f.metadata:
+            target.add_argument(flag, dest=dest, type=kind, default=None, help=help_text,
+                                choices=f.metadata["choices"])
         else:
-            parser.add_argument(flag, dest=dest, type=kind, default=None, help=help_text,
+            target.add_argument(flag, dest=dest, type=kind, default=None, help=help_text,
                                 metavar=f.name.upper())
 
 
 def dataclass_from_args(cls, args: argparse.Namespace, prefix: str, **extra):
     """The dataclass from the flags the user gave (the rest keep the dataclass's defaults)."""
-    given = {f.name: getattr(args, f"{prefix}{f.name}") for f in fields(cls)
-             if f.init and getattr(args, f"{prefix}{f.name}", None) is not None}
+    given = {f.name: getattr(args, f"{prefix}{f.name}") for f in _flag_fields(cls)
+             if getattr(args, f"{prefix}{f.name}", None) is not None}
     return cls(**given, **extra)

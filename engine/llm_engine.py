@@ -15,11 +15,11 @@ from .metric_buckets import SERVICE_TIERS
 from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestOutput
 from .quantity import format_bytes
-from .request import Request, RequestStatus
+from .request import Request, RequestGroup, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerLimits
 from .tokenizer import Tokenizer
-from .validation import positive_int
+from .validation import positive_int, token_ids
 
 log = logging.getLogger("kvpilot.engine")
 
@@ -56,14 +56,9 @@ class LLMEngine:
         self.runner, self.tokenizer = load_executor(config, self.clock)
         self.max_position_embeddings = self.runner.max_position_embeddings
         max_model_len = config.max_model_len or self.max_position_embeddings
-        if max_model_len > self.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
-                f"({self.max_position_embeddings})"
-            )
         num_blocks = max(self.runner.kv_cache_budget() // self.runner.kv_bytes_per_block, 0)
         self.kv_capacity_tokens = num_blocks * config.block_size
-        self._check_fits(max_model_len)
+        self._check_max_model_len(max_model_len)
         self.runner.allocate_kv_cache(num_blocks)
         log.info(
             "KV cache: %d blocks of %d tokens (%s, %d tokens); %s",
@@ -81,7 +76,13 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
-    def _check_fits(self, max_model_len: int) -> None:
+    def _check_max_model_len(self, max_model_len: int) -> None:
+        """max_model_len within the model's positions, and one such sequence in the cache."""
+        if max_model_len > self.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+                f"({self.max_position_embeddings})"
+            )
         if self.kv_capacity_tokens < max_model_len:
             raise ValueError(
                 f"the KV cache holds {self.kv_capacity_tokens} tokens but max_model_len is "
@@ -117,12 +118,7 @@ class LLMEngine:
             positive_int("max_num_seqs", max_num_seqs)
         if max_model_len is not None:
             positive_int("max_model_len", max_model_len)
-            if max_model_len > self.max_position_embeddings:
-                raise ValueError(
-                    f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
-                    f"({self.max_position_embeddings})"
-                )
-            self._check_fits(max_model_len)
+            self._check_max_model_len(max_model_len)
         if max_num_seqs is not None:
             self.scheduler.limits.max_num_seqs = max_num_seqs
         if max_model_len is not None:
@@ -134,15 +130,7 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("prompt must not be empty")
             return self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.runner.vocab_size
-        # The exact types in one C-level pass (bool is an int subclass), then min/max.
-        if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= vocab:
-            bad = next(t for t in ids if type(t) is not int or not 0 <= t < vocab)
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad!r}")
-        return ids
+        return token_ids("prompt token ids", list(prompt), self.runner.vocab_size)
 
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         limit = self.max_model_len
@@ -176,7 +164,7 @@ class LLMEngine:
         )
         arrival = arrival_time if arrival_time is not None else self.clock.now()
         base_seed = params.seed if params.seed is not None else _prompt_seed(prompt_ids, self.config.seed)
-        children = []
+        group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, prompt_ids)
         for i in range(params.n):
             req = Request(
                 request_id=f"{request_id}#{i}", prompt_token_ids=prompt_ids,
@@ -185,19 +173,22 @@ class LLMEngine:
                 generator=self.runner.make_generator(params.seed + i) if params.seed is not None else None,
             )
             req.times.arrival = arrival
-            children.append(req)
-        self.outputs.add(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, children)
-        for req in children:
+            group.children.append(req)
+        self.outputs.add(group)
+        for req in group.children:
             self.scheduler.add_request(req)
 
     def abort_request(self, request_id: str) -> None:
-        for child_id in self.outputs.children(request_id):
-            req = self.scheduler.abort(child_id)
-            if req is not None:
+        group = self.outputs.group(request_id)
+        if group is None:
+            return  # finished already, or never added
+        for req in group.children:
+            if not req.status.finished:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
                 self.outputs.on_finished(req)
                 if self.latency_sink is not None:
                     self.latency_sink.record_finished(finished_record(req, "abort"))
-        self.outputs.drop(request_id)
+        self.outputs.drop(group)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0

@@ -15,6 +15,7 @@ from .models.llama import LlamaForCausalLM
 from .outputs import TokenLogprob
 from .sampler import Sampler, SamplerOutput, SamplingBatch
 from .scheduler import SchedulerOutput
+from .step_inputs import BlockTables, StepInputs
 from .weights import iter_safetensors
 
 log = logging.getLogger("kvpilot.engine")
@@ -41,6 +42,7 @@ class ModelRunner:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_tables = BlockTables()
 
     def describe(self) -> str:
         return f"attention backend {self.backend}; {self.dtype} on {self.device}"
@@ -90,54 +92,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> StepResult:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        query_lens: list[int] = []
-        sample_rows: list[int] = []
-        sample_requests = []
-        block_tables = [item.request.block_ids for item in out.scheduled]
-        for item, table in zip(out.scheduled, block_tables):
-            req = item.request
-            start = req.num_computed_tokens
-            end = start + item.num_new_tokens
-            input_ids.extend(req.token_at(start, end))
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            seq_lens.append(end)
-            query_lens.append(item.num_new_tokens)
-            if item.samples:
-                sample_rows.append(len(input_ids) - 1)
-                sample_requests.append(req)
+        step = StepInputs.build(out, self.block_tables, self.block_size)
         dev = self.device
-        width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
         qsl = [0]
-        for n in query_lens:
+        for n in step.query_lens:
             qsl.append(qsl[-1] + n)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-            block_tables=tables.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            slot_mapping=step.slot_mapping.to(dev, non_blocking=True),
+            block_tables=step.block_tables.to(dev, non_blocking=True),
+            seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            seq_lens_cpu=seq_lens,
-            query_lens_cpu=query_lens,
+            max_query_len=max(step.query_lens),
+            max_seq_len=max(step.seq_lens),
+            seq_lens_cpu=step.seq_lens,
+            query_lens_cpu=step.query_lens,
         )
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True),
-            torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
+            step.input_ids.to(dev, non_blocking=True), step.positions.to(dev, non_blocking=True),
             self.kv_caches, meta,
         )  # [num_tokens, hidden]
-        if not sample_rows:
+        if not step.sample_rows:
             return StepResult([], [])
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-        batch = SamplingBatch.build(sample_requests, logits.shape[-1], dev)
+        logits = self.model.compute_logits(hidden[torch.tensor(step.sample_rows, device=dev)])
+        batch = SamplingBatch.build(step.sample_requests, logits.shape[-1], dev)
         sampled = self.sampler(logits, batch)
-        return StepResult(sample_requests, sampled.token_ids.tolist(),
+        return StepResult(step.sample_requests, sampled.token_ids.tolist(),
                           _host_logprobs(sampled))
 
 

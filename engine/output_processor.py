@@ -3,72 +3,53 @@ one RequestOutput per user request."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from .detokenizer import IncrementalDetokenizer
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from .request import Request, RequestStatus
+from .request import Request, RequestGroup, RequestStatus
 from .tokenizer import Tokenizer
 
 
-@dataclass
-class _Group:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[Request]
-    completions: list[CompletionOutput]
-    detokenizers: list[IncrementalDetokenizer]
-    first_token_seen: bool = False
-
-
 class OutputProcessor:
+    """Builds each choice's CompletionOutput on its Request (`req.completion`,
+    `req.detokenizer`) and reports user requests (`RequestGroup`s) as RequestOutputs."""
+
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._groups: dict[str, _Group] = {}
-        self._child: dict[str, tuple[_Group, int]] = {}
+        self._groups: dict[str, RequestGroup] = {}  # unfinished user requests, by their id
 
     def has(self, request_id: str) -> bool:
         return request_id in self._groups
 
-    def children(self, request_id: str) -> list[str]:
-        group = self._groups.get(request_id)
-        return [c.request_id for c in group.children] if group else []
+    def group(self, request_id: str) -> RequestGroup | None:
+        return self._groups.get(request_id)
 
-    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], children: list[Request]) -> None:
-        params = children[0].sampling_params
-        group = _Group(
-            request_id, prompt, prompt_ids, children,
-            completions=[
-                CompletionOutput(index=i, text="", token_ids=[],
-                                 logprobs=[] if params.logprobs is not None else None,
-                                 cumulative_logprob=0.0 if params.logprobs is not None else None)
-                for i in range(len(children))
-            ],
-            detokenizers=[
-                IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-                for _ in children
-            ] if params.detokenize else [],
-        )
-        self._groups[request_id] = group
-        for i, child in enumerate(children):
-            self._child[child.request_id] = (group, i)
+    def add(self, group: RequestGroup) -> None:
+        params = group.children[0].sampling_params
+        for i, child in enumerate(group.children):
+            child.group, child.index = group, i
+            child.completion = CompletionOutput(
+                index=i, text="", token_ids=[],
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None)
+            if params.detokenize:
+                child.detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, group.prompt_token_ids, params.skip_special_tokens)
+        self._groups[group.request_id] = group
 
-    def drop(self, request_id: str) -> None:
-        group = self._groups.pop(request_id, None)
-        for child in group.children if group else ():
-            self._child.pop(child.request_id, None)
+    def drop(self, group: RequestGroup) -> None:
+        self._groups.pop(group.request_id, None)
 
-    def first_token_of_group(self, req: Request) -> bool:
+    @staticmethod
+    def first_token_of_group(req: Request) -> bool:
         """True once per user request: when any of its n choices gets its first token."""
-        group = self._child[req.request_id][0]
+        group = req.group
         seen, group.first_token_seen = group.first_token_seen, True
         return not seen
 
-    def on_token(self, req: Request, logprob: TokenLogprob | None) -> str | None:
+    @staticmethod
+    def on_token(req: Request, logprob: TokenLogprob | None) -> str | None:
         """Record the request's newest token; return the stop string it completed, if any."""
-        group, i = self._child[req.request_id]
-        out = group.completions[i]
+        out = req.completion
         token = req.output_token_ids[-1]
         out.token_ids.append(token)
         params = req.sampling_params
@@ -76,10 +57,10 @@ class OutputProcessor:
             logprob.top = logprob.top[: params.logprobs]
             out.logprobs.append(logprob)
             out.cumulative_logprob += logprob.logprob
-        if not params.detokenize:
+        detok = req.detokenizer
+        if detok is None:
             return None
         ended_by_stop_token = req.status is RequestStatus.FINISHED_STOPPED and token in req.stop_token_ids
-        detok = group.detokenizers[i]
         before = len(detok.text)
         if not ended_by_stop_token:
             detok.add([token])
@@ -101,15 +82,15 @@ class OutputProcessor:
         out.text = text[: max(len(text) - (longest - 1), 0)]
         return None
 
-    def on_finished(self, req: Request) -> None:
-        group, i = self._child[req.request_id]
-        out = group.completions[i]
+    @staticmethod
+    def on_finished(req: Request) -> None:
+        out = req.completion
         if out.finish_reason == "stop" and isinstance(out.stop_reason, str):
             return  # text already cut at the stop string
-        if not req.sampling_params.detokenize:
+        detok = req.detokenizer
+        if detok is None:
             out.finish_reason, out.stop_reason = req.status.value, req.stop_reason
             return
-        detok = group.detokenizers[i]
         detok.flush()
         out.text = detok.text
         out.finish_reason = req.status.value
@@ -117,28 +98,26 @@ class OutputProcessor:
 
     def collect(self, progressed: list[Request]) -> list[RequestOutput]:
         results = []
-        seen: set[str] = set()
+        seen: set[RequestGroup] = set()
         for req in progressed:
-            entry = self._child.get(req.request_id)
-            if entry is None:
-                continue  # a sibling already finished the group in this loop
-            group = entry[0]
+            group = req.group
             if len(group.children) > 1:
-                if group.request_id in seen:
-                    continue
-                seen.add(group.request_id)
-                finished = all(c.status.finished for c in group.children)
+                if group in seen:
+                    continue  # one output per user request and step
+                seen.add(group)
+                finished = group.finished
             else:
                 finished = req.status.finished
             if not finished and req.sampling_params.output_kind == "final_only":
                 continue
             results.append(RequestOutput(
                 request_id=group.request_id, prompt=group.prompt,
-                prompt_token_ids=group.prompt_token_ids, outputs=group.completions,
+                prompt_token_ids=group.prompt_token_ids,
+                outputs=[c.completion for c in group.children],
                 finished=finished, metrics=_metrics(group.children),
             ))
             if finished:
-                self.drop(group.request_id)
+                self.drop(group)
         return results
 
 

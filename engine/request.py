@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .detokenizer import IncrementalDetokenizer
+    from .outputs import CompletionOutput
 
 
 class RequestStatus(enum.Enum):
@@ -54,7 +58,15 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     block_ids: list[int] = field(default_factory=list)  # the block table: physical block per logical
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix index
+    table_row: int | None = None  # the executor's block-table row while it holds blocks
+    num_table_blocks: int = 0  # of block_ids, those already written to that row
     service_tier: str = "default"  # OpenAI's tier, for the per-tier latency metrics
+    # Output state, set up by the OutputProcessor when the request is added.
+    group: RequestGroup | None = None  # the user request this sequence is choice `index` of
+    index: int = 0
+    completion: CompletionOutput | None = None  # the choice as the user sees it so far
+    detokenizer: IncrementalDetokenizer | None = None  # None when detokenize is off
+    penalty_counts: Any = None  # the sampler's PenaltyCounts, once the request has penalties
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -88,3 +100,19 @@ class Request:
         if n >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+@dataclass(eq=False, slots=True)
+class RequestGroup:
+    """One user request: its `n` choices are sequences of their own (children), sharing
+    the prompt, and are reported together in one RequestOutput."""
+
+    request_id: str
+    prompt: str | None  # the text, when the prompt came as text
+    prompt_token_ids: list[int]
+    children: list[Request] = field(default_factory=list)
+    first_token_seen: bool = False  # TTFT is the first token of any choice
+
+    @property
+    def finished(self) -> bool:
+        return all(c.status.finished for c in self.children)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .penalties import PenaltyCounts, apply_penalties
 from .request import Request
 
 
@@ -56,14 +57,20 @@ class SamplingBatch:
             batch.presence = col([p.presence_penalty for p in params])
             batch.frequency = col([p.frequency_penalty for p in params])
             batch.repetition = col([p.repetition_penalty for p in params])
-            counts = torch.zeros(b, vocab_size, dtype=torch.float32, device=device)
-            prompt_mask = torch.zeros(b, vocab_size, dtype=torch.bool, device=device)
-            for i, r in enumerate(requests):
-                if r.output_token_ids:
-                    ids = torch.tensor(r.output_token_ids, device=device)
-                    counts[i].index_add_(0, ids, torch.ones(len(ids), device=device))
-                prompt_mask[i, torch.tensor(r.prompt_token_ids, device=device)] = True
-            batch.output_counts, batch.prompt_mask = counts, prompt_mask
+            none = None  # rows without penalties: no counts, no prompt tokens
+            rows = []
+            for r in requests:
+                if r.sampling_params.has_penalties:
+                    if r.penalty_counts is None:
+                        r.penalty_counts = PenaltyCounts.of_prompt(r.prompt_token_ids, vocab_size, device)
+                    r.penalty_counts.update(r.output_token_ids)
+                    rows.append(r.penalty_counts)
+                else:
+                    if none is None:
+                        none = PenaltyCounts.of_prompt([], vocab_size, device)
+                    rows.append(none)
+            batch.output_counts = torch.stack([c.output_counts for c in rows])  # [B, vocab]
+            batch.prompt_mask = torch.stack([c.prompt_mask for c in rows])  # [B, vocab]
         below_min = [
             i for i, r in enumerate(requests)
             if len(r.output_token_ids) < r.sampling_params.min_tokens and r.stop_token_ids
@@ -89,7 +96,8 @@ class Sampler:
         # logits [B, vocab] float32
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
         if batch.output_counts is not None:
-            logits = _apply_penalties(logits, batch)
+            logits = apply_penalties(logits, batch.output_counts, batch.prompt_mask, batch.presence,
+                                     batch.frequency, batch.repetition)
         if batch.min_tokens_mask is not None:
             logits = logits.masked_fill(batch.min_tokens_mask, float("-inf"))
         greedy_ids = logits.argmax(dim=-1)
@@ -118,18 +126,6 @@ class Sampler:
             if gen is not None:
                 noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
-
-
-def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    counts = batch.output_counts
-    seen = batch.prompt_mask | (counts > 0)
-    rep = batch.repetition[:, None].expand_as(logits)
-    # Repetition penalty (prompt and output): shrink positive logits, grow negative ones.
-    logits = torch.where(seen & (logits > 0), logits / rep, logits)
-    logits = torch.where(seen & (logits <= 0), logits * rep, logits)
-    # Presence and frequency penalties (output only), as OpenAI defines them.
-    logits = logits - batch.frequency[:, None] * counts
-    return logits - batch.presence[:, None] * (counts > 0).float()
 
 
 def _top_k_top_p(

@@ -38,6 +38,10 @@ class SchedulerOutput:
     follows_previous: bool = False
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Requests whose blocks were freed (preempted, finished or aborted) since the last
+    # output with work, this one's preemptions included: the executor drops what it keeps
+    # per request (block-table rows) for these before it reads this step's block tables.
+    freed: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -55,18 +59,19 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.unfinished: dict[Request, None] = {}  # an insertion-ordered set
+        self._freed: list[Request] = []  # handed to the next output that has work
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
+        if request in self.unfinished:
+            raise ValueError(f"request {request.request_id!r} was added already")
+        self.unfinished[request] = None
         self.waiting.append(request)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.requests)
+        return len(self.unfinished)
 
     def schedule(self) -> SchedulerOutput:
         now = self.clock.now()
@@ -117,11 +122,14 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+        if out.scheduled:  # an empty output is never run, so the executor would not see it
+            out.freed, self._freed = self._freed, []
         return out
 
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: drop its KV blocks and queue it first in line."""
         self.kv_cache.free(request)
+        self._freed.append(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -153,10 +161,8 @@ class Scheduler:
         request.status = status
         request.times.finished = self.clock.now()
         self.kv_cache.free(request)
-        self.requests.pop(request.request_id, None)
+        self.unfinished.pop(request, None)
+        self._freed.append(request)
 
-    def abort(self, request_id: str) -> Request | None:
-        request = self.requests.get(request_id)
-        if request is not None:
-            self.finish(request, RequestStatus.FINISHED_ABORTED)
-        return request
+    def abort(self, request: Request) -> None:
+        self.finish(request, RequestStatus.FINISHED_ABORTED)

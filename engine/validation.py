@@ -1,6 +1,6 @@
-"""The engine's one check of a positive integer setting, for configs, live limits,
-simulator arguments and model shapes alike: `True` is refused although Python counts it
-as an int, and the message names the field."""
+"""The engine's one check of a positive integer setting (configs, live limits, simulator
+arguments and model shapes alike: `True` is refused although Python counts it as an int,
+and the message names the field), and its one check of a token-id prompt."""
 
 from __future__ import annotations
 
@@ -10,3 +10,15 @@ def positive_int(name: str, value: object, where: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{where}{name} must be a positive integer, got {value!r}")
     return value
+
+
+def token_ids(name: str, ids: list, vocab_size: int) -> list[int]:
+    """`ids` when it is a non-empty list of integers in [0, vocab_size); ValueError naming
+    `name` and the first bad id otherwise."""
+    if not ids:
+        raise ValueError(f"{name} must not be empty")
+    # The exact types in one C-level pass (bool is an int subclass), then min/max.
+    if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= vocab_size:
+        bad = next(t for t in ids if type(t) is not int or not 0 <= t < vocab_size)
+        raise ValueError(f"{name} must be integers in [0, {vocab_size}), got {bad!r}")
+    return ids

@@ -10,6 +10,7 @@ import pytest
 
 from kvpilot.engine import LLM, EngineConfig, SamplingParams
 from kvpilot.engine.quantity import parse_bytes
+from kvpilot.engine.validation import token_ids
 
 TINY_KV_BYTES_PER_TOKEN = 4 * 1024  # builtin:tiny in float32, fixed by ARCHITECTURE.md
 
@@ -30,6 +31,15 @@ TINY_KV_BYTES_PER_TOKEN = 4 * 1024  # builtin:tiny in float32, fixed by ARCHITEC
 def test_engine_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig(model="builtin:tiny", **kwargs)
+
+
+@pytest.mark.parametrize("ids, bad", [([], "must not be empty"), ([1, 2, 99], "got 99"),
+                                      ([1, -1], "got -1"), ([1, True], "got True"),
+                                      ([1, 2.0], "got 2.0"), ([1, "2"], "got '2'")])
+def test_token_id_prompts_have_one_validator(ids, bad):
+    with pytest.raises(ValueError, match=f"prompt token ids .*{bad}"):
+        token_ids("prompt token ids", ids, vocab_size=99)
+    assert token_ids("p", [0, 98], vocab_size=99) == [0, 98]
 
 
 def test_quantities():

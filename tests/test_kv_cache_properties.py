@@ -1,5 +1,7 @@
 """Property tests of the KV cache manager and scheduler: no leaks, no double frees,
-no negative reference counts, and prefix hits only ever return matching tokens."""
+no negative reference counts, and prefix hits only ever return matching tokens; and the
+executor's incremental block tables and tensor-built slot mapping equal a from-scratch
+computation on every step."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from kvpilot.engine.kv_cache_manager import KVCacheManager
 from kvpilot.engine.request import Request, RequestStatus
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler, SchedulerLimits
+from kvpilot.engine.step_inputs import BlockTables, StepInputs
 
 BLOCK = 4
 
@@ -28,6 +31,7 @@ class Harness:
         self.contents: dict[int, list[int | None]] = {}  # block id -> tokens written
         self.next_id = 0
         self.all: list[Request] = []
+        self.tables = BlockTables(rows=1, blocks_per_row=1)  # tiny, so both dimensions grow
 
     def add(self, prompt: list[int], max_tokens: int) -> None:
         req = _request(f"r{self.next_id}", prompt, max_tokens)
@@ -37,6 +41,8 @@ class Harness:
 
     def step(self) -> None:
         out = self.sched.schedule()
+        if out.scheduled:
+            self.check_step_inputs(out, StepInputs.build(out, self.tables, BLOCK))
         sampled, tokens = [], []
         for item in out.scheduled:
             req = item.request
@@ -56,9 +62,30 @@ class Harness:
         self.sched.update(out, sampled, tokens)
         self.check()
 
+    def check_step_inputs(self, out, step: StepInputs) -> None:
+        """The step's inputs as the old per-token loop computed them from `block_ids`;
+        and only running requests hold block-table rows (none leak), each its own."""
+        holders = [r for r in self.all if r.table_row is not None]
+        assert set(holders) <= set(self.sched.running)
+        assert len({r.table_row for r in holders}) == len(holders)
+        assert self.tables.table.shape[0] - len(self.tables._free_rows) == len(holders)
+        ids, positions, slots = [], [], []
+        for i, item in enumerate(out.scheduled):
+            req, start = item.request, item.request.num_computed_tokens
+            end = start + item.num_new_tokens
+            ids += req.token_at(start, end)
+            positions += range(start, end)
+            slots += [req.block_ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]
+            needed = -(-end // BLOCK)
+            assert step.block_tables[i, :needed].tolist() == req.block_ids[:needed]
+            assert step.seq_lens[i] == end and step.query_lens[i] == item.num_new_tokens
+        assert step.input_ids.tolist() == ids and step.positions.tolist() == positions
+        assert step.slot_mapping.tolist() == slots
+        assert step.sample_requests == [s.request for s in out.scheduled if s.samples]
+
     def abort_oldest(self) -> None:
-        if self.sched.requests:
-            self.sched.abort(next(iter(self.sched.requests)))
+        if self.sched.unfinished:
+            self.sched.abort(next(iter(self.sched.unfinished)))
         self.check()
 
     def check(self) -> None:
@@ -118,10 +145,10 @@ def test_no_leak_no_double_free_prefix_hits_match(actions, num_blocks, max_num_s
             h.abort_oldest()
     # Drain: everything finishes, then every block is free again.
     for _ in range(2000):
-        if not h.sched.requests:
+        if not h.sched.unfinished:
             break
         h.step()
-    assert not h.sched.requests
+    assert not h.sched.unfinished
     assert h.kv.pool.num_free_blocks == num_blocks
     assert all(b.ref_cnt == 0 for b in h.kv.pool.blocks)
 
@@ -130,7 +157,7 @@ def test_shared_prefix_is_hit_and_counted():
     h = Harness(num_blocks=16, max_num_seqs=4, budget=64, prefix=True)
     prefix = [1, 2, 3, 4, 5, 2, 3, 4, 1, 1, 2, 2]
     h.add(prefix + [3], 2)
-    while h.sched.requests:
+    while h.sched.unfinished:
         h.step()
     h.add(prefix + [4], 2)
     h.step()
@@ -145,8 +172,25 @@ def test_preemption_recomputes_newest_first():
     h.add([1] * 6, 4)
     h.add([2] * 6, 4)
     for _ in range(100):
-        if not h.sched.requests:
+        if not h.sched.unfinished:
             break
         h.step()
-    assert not h.sched.requests
+    assert not h.sched.unfinished
     assert h.sched.num_preemptions >= 1
+
+
+def test_a_freed_request_gets_its_block_table_rewritten_and_tables_grow_intact():
+    tables = BlockTables(rows=1, blocks_per_row=2)
+    a, b = _request("a", [1], 4), _request("b", [2], 4)
+    a.block_ids = [5, 6, 7]  # more blocks than a row holds: the columns grow
+    row_a = tables.sync(a)
+    b.block_ids = [3]
+    row_b = tables.sync(b)  # no free row: the rows grow, a's row kept
+    assert row_a != row_b and tables.table[row_a, :3].tolist() == [5, 6, 7]
+    tables.release([a])  # preempted: its blocks were freed ...
+    a.block_ids = [1, 2]  # ... and on re-admission it holds others
+    row = tables.sync(a)
+    assert tables.table[row, :2].tolist() == [1, 2] and tables.table[row_b, :1].tolist() == [3]
+    b.block_ids.append(9)  # a decode that fills a block appends one id
+    tables.sync(b)
+    assert tables.table[row_b, :2].tolist() == [3, 9]

@@ -40,10 +40,10 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q, k and v in one matmul: the checkpoint's q_proj/k_proj/v_proj rows, stacked at load.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.rotary = rotary
         self.attn = attn
@@ -52,9 +52,11 @@ class Attention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, kv: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 * KVH) * D]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         o = self.attn(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
@@ -63,12 +65,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.intermediate_size = cfg.intermediate_size
+        # gate and up in one matmul: the checkpoint's gate_proj then up_proj rows.
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -135,25 +139,71 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy a Hugging Face checkpoint's tensors in by name; q/k/v and gate/up go into
+        their rows of the fused projections. Every parameter row must come from it."""
         params = dict(self.named_parameters())
-        loaded = set()
+        loaded: set[tuple[str, int]] = set()  # (parameter, first row) of each copied tensor
+        expected: set[tuple[str, int]] = set()
+        shards = self._fused_shards()
+        for name, (rows_of, _) in shards.items():
+            expected |= {(name, start) for start, _ in rows_of.values()}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name not in params:
+            target, start, rows = self._destination(name, shards)
+            if target not in params:
                 if self.config.tie_word_embeddings and name == "lm_head.weight":
                     continue
                 raise ValueError(f"checkpoint has an unexpected tensor {name!r}")
-            param = params[name]
-            if tuple(param.shape) != tuple(tensor.shape):
+            param = params[target]
+            dest = param if rows is None else param[start:start + rows]
+            if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}"
                 )
             with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(name)
-        missing = set(params) - loaded
+                dest.copy_(tensor)
+            loaded.add((target, start))
+        expected |= {(n, 0) for n in params if n not in shards}
         if self.config.tie_word_embeddings:
-            missing.discard("lm_head.weight")
+            expected.discard(("lm_head.weight", 0))
+        missing = sorted(self._source_name(n, start, shards) for n, start in expected - loaded)
         if missing:
-            raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
+            raise ValueError(f"checkpoint is missing tensors: {missing[:5]}")
+
+    def _fused_shards(self) -> dict[str, tuple[dict[str, tuple[int, int]], str]]:
+        """Fused parameter -> ({checkpoint projection: (first row, rows)}, the part after it)."""
+        shards = {}
+        for i, layer in enumerate(self.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = {"q_proj": (0, attn.q_size), "k_proj": (attn.q_size, attn.kv_size),
+                   "v_proj": (attn.q_size + attn.kv_size, attn.kv_size)}
+            for part in ("weight", "bias") if attn.qkv_proj.bias is not None else ("weight",):
+                shards[f"model.layers.{i}.self_attn.qkv_proj.{part}"] = (qkv, part)
+            inter = mlp.intermediate_size
+            shards[f"model.layers.{i}.mlp.gate_up_proj.weight"] = (
+                {"gate_proj": (0, inter), "up_proj": (inter, inter)}, "weight")
+        return shards
+
+    @staticmethod
+    def _destination(name: str, shards) -> tuple[str, int, int | None]:
+        """(parameter, first row, rows) a checkpoint tensor goes to; rows None: all of it."""
+        prefix, _, rest = name.rpartition(".")
+        module_path, _, proj = prefix.rpartition(".")
+        fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                 "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}.get(proj)
+        if fused is not None:
+            target = f"{module_path}.{fused}.{rest}"
+            if target in shards:
+                start, rows = shards[target][0][proj]
+                return target, start, rows
+        return name, 0, None
+
+    @staticmethod
+    def _source_name(param: str, start: int, shards) -> str:
+        if param not in shards:
+            return param
+        rows_of, part = shards[param]
+        proj = next(p for p, (s, _) in rows_of.items() if s == start)
+        module_path = param.rsplit(".", 2)[0]
+        return f"{module_path}.{proj}.{part}"

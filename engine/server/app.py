@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ..validation import token_ids
 from .async_engine import AsyncEngine
 from .errors import APIError, error_body, install_error_handlers, parse_body
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -149,10 +150,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, tuning_file: str | 
         body = await parse_body(request, DetokenizeRequest)
         check_model(body.model, settings)
         tok = engine.tokenizer
-        bad = [t for t in body.tokens if not 0 <= t < tok.vocab_size]
-        if bad:
-            raise APIError(400, f"token ids must be in [0, {tok.vocab_size}), got {bad[0]}",
-                           param="tokens")
+        if body.tokens:  # decoding nothing is the empty string
+            try:
+                token_ids("tokens", body.tokens, tok.vocab_size)
+            except ValueError as e:
+                raise APIError(400, str(e), param="tokens") from None
         return {"prompt": tok.decode(body.tokens)}
 
     return app

@@ -14,12 +14,12 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
-from ..outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .metrics import ServerMetrics
+from .streams import RequestStream, RequestTrack, Snapshot
 
 if TYPE_CHECKING:
     from ..llm_engine import LLMEngine
@@ -27,97 +27,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpilot.server")
 
 _IDLE_WAIT_S = 0.5  # how long the idle engine thread blocks before re-checking for stop
-
-
-class EngineError(RuntimeError):
-    """The engine failed while stepping; the request cannot complete."""
-
-
-class StreamClosed(Exception):
-    """The stream was closed (client gone, or released) before the request finished."""
-
-
-@dataclass
-class Choice:
-    """One completion's state after a step, copied on the engine thread."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-
-@dataclass
-class Snapshot:
-    request_id: str
-    choices: list[Choice]
-    finished: bool
-    num_prompt_tokens: int
-    num_cached_tokens: int = 0
-    error: str | None = None
-    metrics: RequestMetrics | None = None  # the engine's timestamps, with the final snapshot
-
-
-def _copy(out: CompletionOutput) -> Choice:
-    return Choice(out.index, out.text, list(out.token_ids),
-                  list(out.logprobs) if out.logprobs is not None else None,
-                  out.finish_reason, out.stop_reason)
-
-
-@dataclass
-class _Track:
-    """Engine-thread bookkeeping per request (the engine itself records its latencies)."""
-
-    num_prompt_tokens: int
-    n: int
-    latest: Snapshot | None = None
-
-
-class RequestStream:
-    """The loop-side end of one request: snapshots, newest wins when the reader lags."""
-
-    def __init__(self, request_id: str, owner: "AsyncEngine") -> None:
-        self.request_id = request_id
-        self._owner = owner
-        self._queue: asyncio.Queue[Snapshot | None] = asyncio.Queue()
-        self.finished = False
-        self.closed = False
-
-    def _put(self, snap: Snapshot | None) -> None:
-        self._queue.put_nowait(snap)
-
-    async def get(self) -> Snapshot:
-        snap = await self._queue.get()
-        while snap is not None and not snap.finished and not self._queue.empty():
-            snap = self._queue.get_nowait()  # cumulative state: the newest one suffices
-        if snap is None:
-            raise StreamClosed(self.request_id)
-        if snap.error is not None:
-            self.finished = True
-            raise EngineError(snap.error)
-        self.finished = snap.finished
-        return snap
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> Snapshot:
-        if self.closed:
-            raise StreamClosed(self.request_id)
-        if self.finished:
-            raise StopAsyncIteration
-        return await self.get()
-
-    def close(self) -> None:
-        """Abort in the engine unless finished, and wake a reader with StreamClosed.
-        Idempotent; handlers call it from `finally`, the disconnect watcher on disconnect."""
-        if self.closed:
-            return
-        self.closed = True
-        self._owner._release(self)
-        self._queue.put_nowait(None)
 
 
 class AsyncEngine:
@@ -128,7 +37,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._live: dict[str, _Track] = {}  # engine thread only
+        self._live: dict[str, RequestTrack] = {}  # engine thread only
         self._streams: dict[str, RequestStream] = {}  # event loop only
         self._pending_adds = 0  # event loop only
         self.num_waiting = 0  # published by the engine thread
@@ -195,7 +104,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        stream = RequestStream(request_id, self)
+        stream = RequestStream(request_id, self._release, params.n)
         self._streams[request_id] = stream
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._pending_adds += 1
@@ -303,7 +212,7 @@ class AsyncEngine:
         except Exception as exc:
             fut.set_exception(exc)
             return
-        self._live[rid] = _Track(len(prompt_ids), params.n)
+        self._live[rid] = RequestTrack(len(prompt_ids), params.n, params.logprobs is not None)
         fut.set_result(None)
 
     def _do_abort(self, rid: str) -> None:
@@ -311,15 +220,8 @@ class AsyncEngine:
         if track is None:
             return
         self.engine.abort_request(rid)
-        latest = track.latest
-        if latest is not None:
-            choices = [replace(c) for c in latest.choices]  # the loop may still read the old ones
-        else:
-            choices = [Choice(i, "", [], None, None, None) for i in range(track.n)]
-        for c in choices:
-            c.finish_reason = c.finish_reason or "abort"
-        self._post([Snapshot(rid, choices, True, track.num_prompt_tokens,
-                             latest.num_cached_tokens if latest else 0)])
+        self._post([Snapshot(rid, track.aborted(), True, track.num_prompt_tokens,
+                             track.num_cached_tokens)])
 
     def _fail_all(self, message: str) -> None:
         batch = []
@@ -339,11 +241,10 @@ class AsyncEngine:
             if track is None:
                 continue  # aborted while this step ran
             m = out.metrics
-            snap = Snapshot(out.request_id, [_copy(c) for c in out.outputs], out.finished,
-                            len(out.prompt_token_ids), m.num_cached_tokens if m else 0,
-                            metrics=m if out.finished else None)
-            track.latest = snap
-            batch.append(snap)
+            track.num_cached_tokens = m.num_cached_tokens if m else 0
+            batch.append(Snapshot(out.request_id, track.deltas(out.outputs), out.finished,
+                                  track.num_prompt_tokens, track.num_cached_tokens,
+                                  metrics=m if out.finished else None))
             if out.finished:
                 del self._live[out.request_id]
         self._post(batch)

@@ -10,7 +10,7 @@ log = logging.getLogger("kvpilot.server")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from ..cli import add_engine_args
+    from ..engine_args import add_engine_args
 
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_engine_args(p)
@@ -33,7 +33,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..cli import engine_config_from_args
+    from ..engine_args import engine_config_from_args
     from ..llm_engine import LLMEngine
     from .app import build_app
     from .async_engine import AsyncEngine

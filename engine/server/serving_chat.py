@@ -15,7 +15,6 @@ from .serving_common import (
     DeltaTracker, Reply, ServerState, admit, build_params, check_length, check_model,
 )
 
-MAX_TOP_LOGPROBS = MAX_LOGPROBS  # the engine's own limit
 
 
 def render_chat_prompt(tokenizer, messages: list[ChatMessage],
@@ -50,8 +49,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise APIError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+        if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
                                 f"{body.top_logprobs}", param="top_logprobs")
     top_k = body.top_logprobs or 0
     max_tokens_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -83,7 +82,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
 
     def render(snap) -> str | None:
         out = []
-        for c in snap.choices:
+        for c in snap.deltas:
             delta = tracker.take(c)
             if delta is None:
                 continue

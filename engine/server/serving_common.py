@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..outputs import TokenLogprob
 from ..sampling_params import SamplingParams
-from .async_engine import AsyncEngine, Choice, EngineError, RequestStream, Snapshot, StreamClosed
+from .async_engine import AsyncEngine
+from .streams import ChoiceDelta, EngineError, RequestStream, Snapshot, StreamClosed
 from .errors import APIError, error_body
 from .protocol import _Sampling
 from .server_timing import server_timing
@@ -137,23 +138,27 @@ async def final_snapshot(stream: RequestStream, watcher: asyncio.Task) -> Snapsh
 
 
 class DeltaTracker:
-    """What each choice gained since the last streamed chunk."""
+    """What each choice's next chunk carries: its new text, and the logprobs of every token
+    since the last chunk (tokens whose text a stop string holds back wait for the next)."""
 
     def __init__(self, n: int) -> None:
-        self.sent_text, self.sent_tokens, self.done = [0] * n, [0] * n, [False] * n
+        self.pending: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        self.done = [False] * n
 
-    def take(self, c: Choice) -> tuple[str, list[TokenLogprob] | None] | None:
+    def take(self, d: ChoiceDelta) -> tuple[str, list[TokenLogprob] | None] | None:
         """(new text, new logprobs) for a chunk, or None when there is nothing to send."""
-        i = c.index
+        i = d.index
         if self.done[i]:
             return None
-        text = c.text[self.sent_text[i]:]
-        if not text and c.finish_reason is None:
-            return None  # tokens whose text is still held back go out with the next chunk
-        logprobs = c.logprobs[self.sent_tokens[i]:] if c.logprobs is not None else None
-        self.sent_text[i], self.sent_tokens[i] = len(c.text), len(c.token_ids)
-        self.done[i] = c.finish_reason is not None
-        return text, logprobs
+        if d.logprobs is not None:
+            self.pending[i] += d.logprobs
+        if not d.text and d.finish_reason is None:
+            return None
+        logprobs = None
+        if d.logprobs is not None:
+            logprobs, self.pending[i] = self.pending[i], []
+        self.done[i] = d.finish_reason is not None
+        return d.text, logprobs
 
 
 async def sse_events(stream: RequestStream, watcher: asyncio.Task, first: list[str],

@@ -8,6 +8,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from ..outputs import TokenLogprob
+from ..validation import token_ids
 from .errors import APIError
 from .protocol import CompletionRequest
 from .serving_common import (
@@ -30,13 +31,10 @@ def _prompt_ids(body: CompletionRequest, tokenizer) -> tuple[list[int], str | No
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
         return tokenizer.encode(prompt), prompt
-    if not prompt:
-        raise APIError(400, "prompt must not be empty", param="prompt")
-    vocab = tokenizer.vocab_size
-    for t in prompt:
-        if not 0 <= t < vocab:
-            raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {t}", param="prompt")
-    return list(prompt), None
+    try:
+        return token_ids("prompt token ids", list(prompt), tokenizer.vocab_size), None
+    except ValueError as e:
+        raise APIError(400, str(e), param="prompt") from None
 
 
 class _LogprobRenderer:
@@ -100,7 +98,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
 
     def render(snap) -> str | None:
         out = []
-        for c in snap.choices:
+        for c in snap.deltas:
             delta = tracker.take(c)
             if delta is None:
                 continue

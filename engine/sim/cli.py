@@ -43,7 +43,7 @@ def trace_from_args(args, max_len: int | None):
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from ..bench_serve_stats import parse_goodput
-    from ..cli import engine_config_from_args
+    from ..engine_args import engine_config_from_args
     from .fleet import Fleet
     from .report import print_sim_result, summarize
 
@@ -123,7 +123,7 @@ def _cmd_scenarios(args: argparse.Namespace) -> int:
 
 
 def _cmd_describe(args: argparse.Namespace) -> int:
-    from ..cli import engine_config_from_args
+    from ..engine_args import engine_config_from_args
     from ..clock import VirtualClock
     from ..llm_engine import LLMEngine
     from .timing import BatchShape, step_cost
@@ -153,7 +153,7 @@ def _cmd_describe(args: argparse.Namespace) -> int:
 def _cmd_record(args: argparse.Namespace) -> int:
     import os
 
-    from ..cli import engine_config_from_args
+    from ..engine_args import engine_config_from_args
     from ..llm_engine import LLMEngine
     from .steps import record_grids, write_records
 
@@ -188,21 +188,6 @@ def _records(args):
     return records, meta
 
 
-def host_accelerator():
-    """This CPU as an accelerator: its peaks measured by torch microbenchmarks."""
-    import os
-
-    from .hardware import Accelerator
-    from .steps import measure_host_peaks
-
-    peaks = measure_host_peaks("cpu")
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    print(f"this host's peaks (torch microbenchmarks): matmul {peaks['flops'] / 1e9:.1f} GFLOP/s, "
-          f"copy {peaks['bandwidth'] / 1e9:.1f} GB/s", file=sys.stderr)
-    return Accelerator(name="cpu", memory_bytes=memory, bandwidth=peaks["bandwidth"], flops=peaks["flops"],
-                       reserved_bytes=0, source="torch microbenchmarks on this host")
-
-
 def _recorded_shape(args, meta: dict):
     """The recorded model's shape: --simulate-model, else the config the file carries
     (gpu_check's), else the model it names."""
@@ -219,6 +204,7 @@ def _recorded_shape(args, meta: dict):
 
 def _base_accelerator(args):
     from .hardware import resolve_accelerator
+    from .steps import host_accelerator
 
     return resolve_accelerator(args.base) if args.base else host_accelerator()
 
@@ -282,7 +268,7 @@ def _cmd_published(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from ..cli import add_engine_args
+    from ..engine_args import add_engine_args
 
     sim = subparsers.add_parser("sim", help="the virtual-clock simulator of simulated GPU replicas")
     sub = sim.add_subparsers(dest="sim_command", required=True)

@@ -31,7 +31,7 @@ from ..bench_serve import BenchConfig, run_benchmark
 from .calibrate import errors, fit, measured_shapes, predict
 from .hardware import Accelerator
 from .shapes import resolve_model_shape
-from .steps import read_records, record_grids, write_records
+from .steps import host_accelerator, read_records, record_grids, write_records
 
 # The workload the simulated servers are judged on, and the serving workloads calibrated on:
 # A at B's concurrency but 3x the prompts and 2x the answers; A' at other concurrencies.
@@ -100,7 +100,6 @@ def run_fidelity(out_dir: Path, rounds: int = 2) -> dict:
 
     from ..config import EngineConfig
     from ..llm_engine import LLMEngine
-    from .cli import host_accelerator
 
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kvpilot-fidelity-"))

@@ -100,8 +100,8 @@ class StepRecorder:
                 last.label = f"{label} step {len(self.records) - base}"
                 if last.kind == "decode" and len(last.requests) == len(prompts):
                     decodes += 1  # only the whole batch decoding counts toward the grid point
-        for rid in [r.request_id for r in list(engine.scheduler.requests.values())]:
-            engine.abort_request(rid.rsplit("#", 1)[0])
+        for req in list(engine.scheduler.unfinished):
+            engine.abort_request(req.group.request_id)
 
 
 WARMUP_PROMPT = 64
@@ -202,3 +202,18 @@ def measure_host_peaks(device: str = "cpu") -> dict[str, float]:
     dst = torch.empty_like(src)
     bandwidth = 2 * src.numel() * 4 / best_of(lambda: dst.copy_(src))
     return {"flops": flops, "bandwidth": bandwidth}
+
+
+def host_accelerator():
+    """This CPU as an accelerator: its peaks measured by torch microbenchmarks."""
+    import os
+    import sys
+
+    from .hardware import Accelerator
+
+    peaks = measure_host_peaks("cpu")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    print(f"this host's peaks (torch microbenchmarks): matmul {peaks['flops'] / 1e9:.1f} GFLOP/s, "
+          f"copy {peaks['bandwidth'] / 1e9:.1f} GB/s", file=sys.stderr)
+    return Accelerator(name="cpu", memory_bytes=memory, bandwidth=peaks["bandwidth"], flops=peaks["flops"],
+                       reserved_bytes=0, source="torch microbenchmarks on this host")

@@ -21,7 +21,7 @@ def _range(text: str, name: str) -> tuple[int, int]:
 
 def _cmd(args: argparse.Namespace) -> int:
     from kvpilot.engine.bench_serve_stats import parse_goodput
-    from kvpilot.engine.cli import engine_config_from_args
+    from kvpilot.engine.engine_args import engine_config_from_args
     from kvpilot.engine.sim.cli import trace_from_args, write_run_outputs
     from kvpilot.engine.sim.fleet import Fleet
     from kvpilot.engine.sim.report import print_sim_result, summarize
@@ -77,7 +77,7 @@ def _cmd(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers) -> None:
-    from kvpilot.engine.cli import add_engine_args
+    from kvpilot.engine.engine_args import add_engine_args
     from kvpilot.engine.sim.cli import add_workload_args
 
     group = subparsers.add_parser("autotune", help="the autotuner outside Kubernetes")

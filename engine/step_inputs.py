@@ -1,0 +1,93 @@
+"""A step's model inputs from the scheduler's output: token ids, positions, the block
+tables and the slot mapping, built with tensor ops on the host.
+
+Block tables live in one persistent host tensor, a row per request while it holds blocks;
+each step writes only the block ids allocated since the last (O(new blocks)), and frees
+the rows of requests whose blocks were freed (`SchedulerOutput.freed`: preempted, finished
+or aborted)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .request import Request
+from .scheduler import SchedulerOutput
+
+
+class BlockTables:
+    def __init__(self, rows: int = 64, blocks_per_row: int = 64) -> None:
+        self.table = torch.zeros((rows, blocks_per_row), dtype=torch.int32)  # [rows, max_blocks]
+        self._free_rows = list(range(rows - 1, -1, -1))
+
+    def release(self, requests: list[Request]) -> None:
+        for req in requests:
+            if req.table_row is not None:
+                self._free_rows.append(req.table_row)
+                req.table_row, req.num_table_blocks = None, 0
+
+    def sync(self, req: Request) -> int:
+        """Write the request's blocks allocated since the last sync; return its row."""
+        if req.table_row is None:
+            if not self._free_rows:
+                self._grow(rows=2 * self.table.shape[0])
+            req.table_row, req.num_table_blocks = self._free_rows.pop(), 0
+        ids, done = req.block_ids, req.num_table_blocks
+        if len(ids) > done:
+            if len(ids) > self.table.shape[1]:
+                self._grow(cols=max(2 * self.table.shape[1], len(ids)))
+            self.table[req.table_row, done:len(ids)] = torch.tensor(ids[done:], dtype=torch.int32)
+            req.num_table_blocks = len(ids)
+        return req.table_row
+
+    def _grow(self, rows: int | None = None, cols: int | None = None) -> None:
+        # max_num_seqs and max_model_len can be raised while serving.
+        old_rows, old_cols = self.table.shape
+        rows, cols = rows or old_rows, cols or old_cols
+        grown = torch.zeros((rows, cols), dtype=torch.int32)
+        grown[:old_rows, :old_cols] = self.table
+        self.table = grown
+        self._free_rows = list(range(rows - 1, old_rows - 1, -1)) + self._free_rows
+
+
+@dataclass
+class StepInputs:
+    """Host tensors for one step, in scheduled order."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32 (rows padded with stale ids)
+    seq_lens: list[int]  # cached + new tokens after this step
+    query_lens: list[int]
+    sample_rows: list[int]  # the token row whose logits each sampling request samples from
+    sample_requests: list[Request]
+
+    @classmethod
+    def build(cls, out: SchedulerOutput, tables: BlockTables, block_size: int) -> StepInputs:
+        tables.release(out.freed)
+        ids: list[int] = []
+        starts, query_lens, rows = [], [], []
+        sample_rows, sample_requests = [], []
+        for item in out.scheduled:
+            req = item.request
+            start = req.num_computed_tokens
+            ids += req.token_at(start, start + item.num_new_tokens)
+            starts.append(start)
+            query_lens.append(item.num_new_tokens)
+            rows.append(tables.sync(req))
+            if item.samples:
+                sample_rows.append(len(ids) - 1)
+                sample_requests.append(req)
+        seq_lens = [s + n for s, n in zip(starts, query_lens)]
+        q = torch.tensor(query_lens)  # [num_seqs]
+        first_row = torch.cumsum(q, 0) - q  # [num_seqs] each request's first token row
+        owner = torch.repeat_interleave(torch.arange(len(q)), q)  # [num_tokens] its request
+        # A request's rows hold positions start .. start + query_len - 1.
+        positions = torch.arange(len(ids)) - (first_row - torch.tensor(starts))[owner]
+        width = -(-max(seq_lens) // block_size)
+        block_tables = tables.table[torch.tensor(rows), :width]  # [num_seqs, width] (a copy)
+        blocks = block_tables[owner, positions // block_size].long()  # [num_tokens]
+        return cls(torch.tensor(ids), positions, blocks * block_size + positions % block_size,
+                   block_tables, seq_lens, query_lens, sample_rows, sample_requests)
