@@ -8,6 +8,7 @@ import torch
 from .attention import PagedAttention, resolve_backend
 from .attention_metadata import AttentionMetadata
 from .config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from .cpu_linear import pack_linears, packed_linear_available
 from .device import pick_device, pick_dtype
 from .executor import StepResult
 from .model_config import ModelConfig
@@ -40,12 +41,17 @@ class ModelRunner:
         )
         self.model.load_weights(iter_safetensors(model_dir))
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.packed_linears = 0
+        if packed_linear_available(self.dtype, self.device):
+            self.packed_linears = pack_linears(self.model)
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_tables = BlockTables()
 
     def describe(self) -> str:
-        return f"attention backend {self.backend}; {self.dtype} on {self.device}"
+        linears = (f"; {self.packed_linears} linear layers through oneDNN" if self.packed_linears
+                   else "")
+        return f"attention backend {self.backend}; {self.dtype} on {self.device}{linears}"
 
     def counters(self) -> dict[str, float]:
         return {}
