@@ -100,14 +100,11 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> StepResult:
         step = StepInputs.build(out, self.block_tables, self.block_size)
         dev = self.device
-        qsl = [0]
-        for n in step.query_lens:
-            qsl.append(qsl[-1] + n)
         meta = AttentionMetadata(
             slot_mapping=step.slot_mapping.to(dev, non_blocking=True),
             block_tables=step.block_tables.to(dev, non_blocking=True),
             seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
+            query_start_loc=step.query_start_loc.to(dev, non_blocking=True),
             max_query_len=max(step.query_lens),
             max_seq_len=max(step.seq_lens),
             seq_lens_cpu=step.seq_lens,

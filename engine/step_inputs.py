@@ -25,7 +25,7 @@ class BlockTables:
         for req in requests:
             if req.table_row is not None:
                 self._free_rows.append(req.table_row)
-                req.table_row, req.num_table_blocks = None, 0
+                req.table_row = None  # sync() starts the next row from block 0
 
     def sync(self, req: Request) -> int:
         """Write the request's blocks allocated since the last sync; return its row."""
@@ -61,6 +61,7 @@ class StepInputs:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32 (rows padded with stale ids)
     seq_lens: list[int]  # cached + new tokens after this step
     query_lens: list[int]
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
     sample_rows: list[int]  # the token row whose logits each sampling request samples from
     sample_requests: list[Request]
 
@@ -82,7 +83,8 @@ class StepInputs:
                 sample_requests.append(req)
         seq_lens = [s + n for s, n in zip(starts, query_lens)]
         q = torch.tensor(query_lens)  # [num_seqs]
-        first_row = torch.cumsum(q, 0) - q  # [num_seqs] each request's first token row
+        ends = torch.cumsum(q, 0)  # [num_seqs]
+        first_row = ends - q  # [num_seqs] each request's first token row
         owner = torch.repeat_interleave(torch.arange(len(q)), q)  # [num_tokens] its request
         # A request's rows hold positions start .. start + query_len - 1.
         positions = torch.arange(len(ids)) - (first_row - torch.tensor(starts))[owner]
@@ -90,4 +92,5 @@ class StepInputs:
         block_tables = tables.table[torch.tensor(rows), :width]  # [num_seqs, width] (a copy)
         blocks = block_tables[owner, positions // block_size].long()  # [num_tokens]
         return cls(torch.tensor(ids), positions, blocks * block_size + positions % block_size,
-                   block_tables, seq_lens, query_lens, sample_rows, sample_requests)
+                   block_tables, seq_lens, query_lens,
+                   torch.cat([ends.new_zeros(1), ends]).to(torch.int32), sample_rows, sample_requests)

@@ -101,10 +101,10 @@ class RequestTrack:
     num_prompt_tokens: int
     n: int
     logprobs: bool
-    sent_text: list[int] = field(default_factory=list)
-    sent_tokens: list[int] = field(default_factory=list)
-    done: list[bool] = field(default_factory=list)
     num_cached_tokens: int = 0
+    sent_text: list[int] = field(init=False)  # per choice: characters sent
+    sent_tokens: list[int] = field(init=False)  # per choice: tokens sent
+    done: list[bool] = field(init=False)  # per choice: its finish was sent
 
     def __post_init__(self) -> None:
         self.sent_text, self.sent_tokens, self.done = [0] * self.n, [0] * self.n, [False] * self.n
