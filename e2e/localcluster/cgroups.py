@@ -36,11 +36,13 @@ def pids_under(root: str) -> set[int]:
         base = h / root.strip("/")
         if not base.is_dir():
             continue
-        for procs in base.rglob("cgroup.procs"):
-            try:
-                found.update(int(x) for x in procs.read_text().split())
-            except OSError:
-                pass
+        # os.walk skips a cgroup removed while it walks (rglob raised, failing a teardown).
+        for d, _, files in os.walk(base):
+            if "cgroup.procs" in files:
+                try:
+                    found.update(int(x) for x in Path(d, "cgroup.procs").read_text().split())
+                except OSError:
+                    pass  # removed between the listing and the read
     return found
 
 
