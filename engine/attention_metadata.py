@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .cpu_attention import TorchAttentionPlan
+
 
 @dataclass
 class AttentionMetadata:
@@ -27,6 +29,8 @@ class AttentionMetadata:
     # Host-side copies, so backends that loop per request need no device sync.
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
+    # The torch backend's per-step plan (cpu_attention.py), built once for all layers.
+    torch_plan: TorchAttentionPlan | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -45,6 +45,9 @@ class EngineConfig:
     enable_prefix_caching: bool = _setting(True, "share the KV blocks of identical prompt prefixes")
     attention_backend: str = _setting("auto", "paged attention kernels (auto: triton on CUDA, torch "
                                       "on CPU)", choices=ATTENTION_BACKENDS)
+    enforce_eager: bool = _setting(
+        False, "run every step eagerly: no CUDA graphs (on CUDA, decode steps are otherwise "
+               "replayed from graphs captured at start-up per batch-size bucket)")
     seed: int = _setting(0, "torch's global seed, and the base of unseeded requests' seeds")
     cpu_threads: int | None = _setting(
         None, "torch's intra-op threads on the CPU (default: torch's, one per core); fewer leave "

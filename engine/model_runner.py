@@ -8,6 +8,9 @@ import torch
 from .attention import PagedAttention, resolve_backend
 from .attention_metadata import AttentionMetadata
 from .config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from .cpu_attention import plan_torch_attention
+from .cpu_decode_kernel import load_decode_kernel
+from .cuda_graphs import DecodeGraphs, DecodeRows, capture_sizes
 from .cpu_linear import pack_linears, packed_linear_available
 from .device import pick_device, pick_dtype
 from .executor import StepResult
@@ -35,9 +38,11 @@ class ModelRunner:
         self.vocab_size = model_cfg.vocab_size
         self.max_position_embeddings = model_cfg.max_position_embeddings
         self.backend = resolve_backend(config.attention_backend, self.device)
+        self.attention = PagedAttention(self.backend)
+        if self.backend == "torch" and self.device.type == "cpu" and self.dtype == torch.float32:
+            self.attention.use_decode_kernel(load_decode_kernel())
         self.model = LlamaForCausalLM.build(
-            model_cfg, PagedAttention(self.backend), model_cfg.max_position_embeddings,
-            self.dtype, self.device,
+            model_cfg, self.attention, model_cfg.max_position_embeddings, self.dtype, self.device,
         )
         self.model.load_weights(iter_safetensors(model_dir))
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -47,11 +52,25 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_tables = BlockTables()
+        self.use_cuda_graphs = (self.device.type == "cuda" and self.backend == "triton"
+                                and not config.enforce_eager)
+        self.graphs: DecodeGraphs | None = None  # captured in allocate_kv_cache
 
     def describe(self) -> str:
         linears = (f"; {self.packed_linears} linear layers through oneDNN" if self.packed_linears
                    else "")
-        return f"attention backend {self.backend}; {self.dtype} on {self.device}{linears}"
+        decode = ""
+        if self.backend == "torch":
+            kernel = self.attention.decode_kernel
+            decode = f" (decode: C kernel {kernel.path.name})" if kernel else " (decode: SDPA)"
+        graphs = ""
+        if self.graphs is not None:
+            graphs = (f"; CUDA graphs for decode batches up to {self.graphs.sizes[-1]} "
+                      f"(captured in {self.graphs.capture_seconds:.1f} s)")
+        elif self.device.type == "cuda":
+            graphs = "; eager (no CUDA graphs)"
+        return (f"attention backend {self.backend}{decode}; {self.dtype} on {self.device}"
+                f"{linears}{graphs}")
 
     def counters(self) -> dict[str, float]:
         return {}
@@ -73,20 +92,33 @@ class ModelRunner:
         return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """The cache's blocks; with CUDA graphs one more, the pad rows' scratch block (the
+        block pool never sees it), then the graphs' capture."""
+        cfg = self.model_cfg
+        self.kv_caches = self._make_kv_caches(num_blocks + self.use_cuda_graphs)
+        if self.use_cuda_graphs:
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_caches, capture_sizes(self.config.max_num_seqs),
+                self.config.max_model_len or self.max_position_embeddings, self.block_size,
+                scratch_block=num_blocks, hidden_size=cfg.hidden_size, dtype=self.dtype,
+                device=self.device)
+            if self.device.type == "cuda":
+                with torch.inference_mode():
+                    self.graphs.capture()
+
+    def _make_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model_cfg
         shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+                for _ in range(cfg.num_hidden_layers)]
 
     @torch.inference_mode()
     def profile_peak_bytes(self, num_tokens: int) -> int:
         """Peak CUDA memory of one forward over `num_tokens` prompt tokens (weights included)."""
-        self.allocate_kv_cache(-(-num_tokens // self.block_size))
+        self.kv_caches = self._make_kv_caches(-(-num_tokens // self.block_size))
         torch.cuda.reset_peak_memory_stats(self.device)
-        meta = _prefill_meta(num_tokens, self.block_size, self.device)
+        meta = _prefill_meta(num_tokens, self.block_size, self.device, self.backend)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         hidden = self.model(ids, torch.arange(num_tokens, device=self.device), self.kv_caches, meta)
         self.model.compute_logits(hidden[-1:])
@@ -100,6 +132,12 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> StepResult:
         step = StepInputs.build(out, self.block_tables, self.block_size)
         dev = self.device
+        if (self.graphs is not None and max(step.query_lens) == 1
+                and self.graphs.fits(len(step.seq_lens), step.block_tables.shape[1])):
+            hidden = self.graphs.run(DecodeRows(
+                step.input_ids, step.positions, step.slot_mapping, step.block_tables,
+                torch.tensor(step.seq_lens, dtype=torch.int32)))  # [num_seqs, hidden]
+            return self._sample(step, hidden)
         meta = AttentionMetadata(
             slot_mapping=step.slot_mapping.to(dev, non_blocking=True),
             block_tables=step.block_tables.to(dev, non_blocking=True),
@@ -109,11 +147,18 @@ class ModelRunner:
             max_seq_len=max(step.seq_lens),
             seq_lens_cpu=step.seq_lens,
             query_lens_cpu=step.query_lens,
+            torch_plan=None if self.backend != "torch" else plan_torch_attention(
+                step.block_tables, step.seq_lens, step.query_lens, self.block_size, dev,
+                decode_kernel=self.attention.decode_kernel is not None),
         )
         hidden = self.model(
             step.input_ids.to(dev, non_blocking=True), step.positions.to(dev, non_blocking=True),
             self.kv_caches, meta,
         )  # [num_tokens, hidden]
+        return self._sample(step, hidden)
+
+    def _sample(self, step: StepInputs, hidden: torch.Tensor) -> StepResult:
+        dev = self.device
         if not step.sample_rows:
             return StepResult([], [])
         logits = self.model.compute_logits(hidden[torch.tensor(step.sample_rows, device=dev)])
@@ -132,13 +177,17 @@ def _host_logprobs(s: SamplerOutput) -> list[TokenLogprob] | None:
             for i, t in enumerate(s.token_ids.tolist())]
 
 
-def _prefill_meta(num_tokens: int, block_size: int, device: torch.device) -> AttentionMetadata:
+def _prefill_meta(num_tokens: int, block_size: int, device: torch.device,
+                  backend: str) -> AttentionMetadata:
     num_blocks = -(-num_tokens // block_size)
+    tables = torch.arange(num_blocks, dtype=torch.int32)[None, :]  # [1, num_blocks]
     return AttentionMetadata(
         slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
+        block_tables=tables.to(device),
         seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
         query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
         max_query_len=num_tokens, max_seq_len=num_tokens,
         seq_lens_cpu=[num_tokens], query_lens_cpu=[num_tokens],
+        torch_plan=None if backend != "torch" else plan_torch_attention(
+            tables, [num_tokens], [num_tokens], block_size, device),
     )

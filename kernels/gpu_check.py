@@ -15,7 +15,10 @@ On a CUDA device it runs, in this order, within ``--budget-s`` seconds:
    read / median time (``triton.testing.do_bench``), as a fraction of the copy
    bandwidth, beside ``F.scaled_dot_product_attention`` on a contiguous cache;
    plus one long-prompt prefill beside SDPA's causal attention;
-4. if time is left, the engine end to end on a random-weight model of
+4. the engine's decode tokens/s at batch 1 and 64 with CUDA graphs on and off, on a
+   random model with Llama-3-8B's layer shapes (``--graphs-layers``, default 8 of 32),
+   beside the roofline weight bytes / copy bandwidth (gpu_check_graphs.py);
+5. if time is left, the engine end to end on a random-weight model of
    Llama-3.2-1B's shape (bf16): offline throughput at 1 and 64 concurrent
    requests, beside ``transformers`` ``generate`` on the same weights and prompts,
    then the engine's step times over the simulator's calibration and validation
@@ -42,11 +45,13 @@ from typing import Any, Callable
 
 from .gpu_check_correctness import run_correctness
 from .gpu_check_e2e import run_end_to_end
+from .gpu_check_graphs import format_graphs, run_decode_graphs
 
 LLAMA3_8B = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 DECODE_BATCHES = (1, 16, 64, 256)
 DECODE_CONTEXTS = (512, 2048, 8192)
 E2E_MIN_SECONDS = 100  # don't start the end-to-end part with less budget than this
+GRAPHS_MIN_SECONDS = 90  # nor the CUDA-graph part (before it) with less than this beyond that
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -55,6 +60,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cpu", action="store_true", help="interpreter dry run: correctness on small shapes only")
     parser.add_argument("--budget-s", type=float, default=280.0, help="wall-clock budget for the whole run")
     parser.add_argument("--skip-e2e", action="store_true", help="skip the engine end-to-end part")
+    parser.add_argument("--graphs-layers", type=int, default=8,
+                        help="layers of the Llama-3-8B-shaped model in the CUDA-graph part (32: all)")
     parser.add_argument("--e2e-max-tokens", type=int, default=128)
     parser.add_argument("--e2e-prompt-len", type=int, default=128)
     return parser.parse_args(argv)
@@ -291,6 +298,10 @@ def format_table(results: dict[str, Any]) -> str:
                          f"SDPA {prefill['sdpa_ms']:.2f} ms ({prefill['speedup_vs_sdpa']:.2f}x)")
         else:
             lines.append(f"prefill: {prefill.get('error')}")
+    graphs = results.get("graphs")
+    if graphs:
+        lines += ([f"CUDA graphs: skipped ({graphs['skipped']})"] if "skipped" in graphs
+                  else format_graphs(graphs))
     e2e = results.get("e2e")
     if e2e:
         if "error" in e2e:
@@ -363,6 +374,15 @@ def main(argv: list[str] | None = None) -> int:
             results["decode_config_sweep"] = measure_decode_sweep(deadline - E2E_MIN_SECONDS)
         except Exception as exc:
             results["timing_error"] = f"{type(exc).__name__}: {exc}"
+        save()
+        if args.skip_e2e:
+            results["graphs"] = {"skipped": "--skip-e2e"}
+        elif deadline - time.monotonic() < E2E_MIN_SECONDS + GRAPHS_MIN_SECONDS:
+            results["graphs"] = {"skipped": "out of time budget"}
+        else:
+            copy = results.get("copy_bandwidth", {}).get("gb_per_s")
+            results["graphs"] = run_decode_graphs(copy, deadline - E2E_MIN_SECONDS,
+                                                  layers=args.graphs_layers)
         save()
         if args.skip_e2e:
             results["e2e"] = {"skipped": "--skip-e2e"}

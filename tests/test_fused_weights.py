@@ -42,7 +42,7 @@ def test_fused_projections_give_the_unfused_models_logits(model_dir):
     shape = (blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
     caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)]
     with torch.inference_mode():
-        hidden = ours(ids, torch.arange(len(ids)), caches, _prefill_meta(len(ids), BLOCK, ids.device))
+        hidden = ours(ids, torch.arange(len(ids)), caches, _prefill_meta(len(ids), BLOCK, ids.device, "torch"))
         logits = ours.compute_logits(hidden)  # [T, vocab]
         ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         expected = ref(ids[None]).logits[0]

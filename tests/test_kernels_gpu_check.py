@@ -51,10 +51,15 @@ def test_gpu_check_table_formats_gpu_results():
         "decode_config_sweep": [{"batch": 1, "context": 8192, "BLOCK_N": 64, "num_warps": 4, "ms": 0.1,
                                  "gb_per_s": 3000.0, "is_default": True}],
         "prefill": {"ms": 1.0, "tflops": 300.0, "sdpa_ms": 0.9, "speedup_vs_sdpa": 0.9},
+        "graphs": {"model_shape": {"layers": 8}, "dtype": "bfloat16",
+                   "graphs": {"capture_s": 3.5, "capture_mib": 120.0,
+                              "batch_1": {"decode_tok_per_s": 210.0, "frac_of_roofline": 0.7}},
+                   "eager": {"batch_1": {"decode_tok_per_s": 90.0, "frac_of_roofline": 0.3}}},
         "e2e": {"kvpilot_1": {"tok_per_s": 100.0}, "transformers_1": {"tok_per_s": 50.0, "first_token_match": 1.0}},
     }
     table = format_table(results)
-    for text in ("4000 GB/s", "25%", "2.00x", "out of time budget", "tile sweep", "TFLOP/s", "kvpilot 100 tok/s"):
+    for text in ("4000 GB/s", "25%", "2.00x", "out of time budget", "tile sweep", "TFLOP/s", "kvpilot 100 tok/s",
+                 "b=1 210 tok/s = 70% of roofline", "capture 3.5 s", "eager  b=1 90 tok/s"):
         assert text in table
 
 
@@ -109,3 +114,24 @@ def test_gpu_check_end_to_end_part_runs_on_a_tiny_cpu_model(tmp_path):
         assert result[f"transformers_{n}"]["output_tokens"] == 4 * n
     # float32 on the CPU: greedy tokens agree with transformers.
     assert result["transformers_3"]["first_token_match"] == 1.0
+
+
+def test_gpu_check_graphs_part_runs_on_a_tiny_cpu_model():
+    """The CUDA-graph part end to end on a tiny model on the CPU (where both modes run
+    eagerly and say so), so its first GPU run is not its first run."""
+    import time
+
+    from kvpilot.kernels.gpu_check_graphs import format_graphs, run_decode_graphs
+
+    result = run_decode_graphs(
+        50.0, time.monotonic() + 300, layers=2,
+        model_shape={"hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab": 512},
+        dtype="float32", device="cpu", batches=(1, 3), prompt_len=8, decode_tokens=5,
+        llm_kwargs={"attention_backend": "torch", "kv_cache_memory": "16Mi"})
+    assert "error" not in result, result.get("traceback")
+    for mode in ("graphs", "eager"):
+        assert result[mode]["cuda_graphs"] is False
+        for b in (1, 3):
+            row = result[mode][f"batch_{b}"]
+            assert row["decode_tok_per_s"] > 0 and 0 < row["frac_of_roofline"]
+    assert any("b=3" in line for line in format_graphs(result))

@@ -14,7 +14,7 @@ from torch import nn
 from ..attention import PagedAttention
 from ..attention_metadata import AttentionMetadata
 from ..model_config import ModelConfig
-from .rotary import RotaryEmbedding
+from .rotary import RopeTables, RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, attn: PagedAttention) -> None:
+    def __init__(self, cfg: ModelConfig, attn: PagedAttention) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -45,19 +45,18 @@ class Attention(nn.Module):
         # q, k and v in one matmul: the checkpoint's q_proj/k_proj/v_proj rows, stacked at load.
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.rotary = rotary
         self.attn = attn
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv: KVCache, meta: AttentionMetadata
+        self, rope: RopeTables, x: torch.Tensor, kv: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 * KVH) * D]
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        # q and k rotated together: one pass over both.
+        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(
+            t, self.num_heads + self.num_kv_heads, self.head_dim), rope)  # [T, H + KVH, D]
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [T, H, D], [T, KVH, D]
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         o = self.attn(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -76,27 +75,26 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, attn: PagedAttention) -> None:
+    def __init__(self, cfg: ModelConfig, attn: PagedAttention) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, attn)
+        self.self_attn = Attention(cfg, attn)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv: KVCache, meta: AttentionMetadata
+        self, rope: RopeTables, x: torch.Tensor, kv: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv, meta)
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, attn: PagedAttention, max_positions: int) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.rotary = rotary
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, attn) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, attn) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -131,8 +129,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary.tables(positions, x.dtype)
         for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(positions, x, kv, meta)
+            x = layer(rope, x, kv, meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32

@@ -45,22 +45,30 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin", torch.empty(0), persistent=False)
 
     def build(self, device: torch.device) -> None:
-        """Fill the float32 cos/sin tables (after the model is moved to its device)."""
+        """Fill the float32 cos/sin tables (after the model is moved to its device). The
+        rotate-half layout repeats each frequency in both halves, so half a row is kept."""
         inv_freq = _inv_freq(self.head_dim, self.theta, self.scaling).to(device)  # [D / 2]
         positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(positions, inv_freq)  # [max_positions, D / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, D]
-        self.cos, self.sin = emb.cos(), emb.sin()
+        self.cos, self.sin = freqs.cos(), freqs.sin()
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [T]; q [T, H, D]; k [T, KVH, D]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """The step's cos/sin rows, gathered once and shared by every layer."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, D / 2]
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        return cos, sin
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: each [T, 1, D / 2]
+
+
+def apply_rotary(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    """x [T, heads, D] rotated in the rotate-half layout: with x = (x1, x2),
+    (x1 * cos - x2 * sin, x2 * cos + x1 * sin). A new tensor; x is left alone."""
+    cos, sin = rope
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [T, heads, D]
+    torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=out[..., half:]).addcmul_(x1, sin)
+    return out

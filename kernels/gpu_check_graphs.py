@@ -1,0 +1,133 @@
+"""gpu_check's CUDA-graph part: the engine's decode tokens/s at batch 1 and 64 on a random
+model with Llama-3-8B's layer shapes (bf16), with CUDA graphs on and off (`enforce_eager`),
+beside the bandwidth roofline: a decode step reads every weight once, so at best
+batch / (weight bytes / copy bandwidth) tokens/s (KV reads ignored: 256-token contexts).
+
+Decode tokens/s is measured as batch * (N - 1) / (t(N tokens) - t(1 token)), so prefill
+and the first token drop out. `layers` defaults to 8 of Llama-3-8B's 32 so the part fits
+gpu_check's budget (writing and loading 16 GB of random weights twice would not); the
+roofline uses the bytes of the model actually run. Failures are recorded, not raised."""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+LLAMA3_8B = {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336,
+             "vocab": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0}
+
+
+def run_decode_graphs(
+    copy_gb_per_s: float | None,
+    deadline: float,
+    *,
+    layers: int = 8,
+    model_shape: dict[str, Any] | None = None,
+    dtype: str = "bfloat16",
+    device: str = "cuda",
+    batches: tuple[int, ...] = (1, 64),
+    prompt_len: int = 128,
+    decode_tokens: int = 128,
+    llm_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    import torch
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    shape = dict(model_shape or LLAMA3_8B)
+    shape["layers"] = layers
+    result: dict[str, Any] = {"model_shape": shape, "dtype": dtype, "prompt_len": prompt_len,
+                              "decode_tokens": decode_tokens, "copy_gb_per_s": copy_gb_per_s}
+    workdir = Path(tempfile.mkdtemp(prefix="kvpilot-gpu-graphs-"))
+    try:
+        from kvpilot.engine import LLM, SamplingParams
+        from kvpilot.engine.tiny_model import make_tiny_model
+
+        t0 = time.monotonic()
+        model_dir = make_tiny_model(workdir / "model", arch="llama", seed=0, dtype=dtype, **shape)
+        result["make_model_s"] = time.monotonic() - t0
+        gen = torch.Generator().manual_seed(0)
+        prompts = torch.randint(4, min(4000, shape["vocab"]), (max(batches), prompt_len),
+                                generator=gen).tolist()
+        for mode in ("graphs", "eager"):
+            if time.monotonic() > deadline:
+                result[mode] = {"skipped": "out of time budget"}
+                continue
+            kwargs = {"dtype": dtype, "attention_backend": "triton", "max_num_seqs": max(batches),
+                      "max_model_len": prompt_len + decode_tokens + 16,
+                      "enforce_eager": mode == "eager",
+                      **({"gpu_memory_utilization": 0.5} if device == "cuda" else {}),
+                      **(llm_kwargs or {})}
+            t = time.monotonic()
+            llm = LLM(model=str(model_dir), **kwargs)
+            runner = llm.engine.runner
+            entry: dict[str, Any] = {"load_s": time.monotonic() - t,
+                                     "cuda_graphs": runner.graphs is not None,
+                                     "weight_bytes": runner.weight_bytes}
+            if runner.graphs is not None:
+                entry.update(capture_s=runner.graphs.capture_seconds,
+                             capture_mib=runner.graphs.capture_bytes / 2**20,
+                             buckets=len(runner.graphs.sizes))
+            llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                         use_tqdm=False)
+            for b in batches:
+                if time.monotonic() > deadline:
+                    entry[f"batch_{b}"] = {"skipped": "out of time budget"}
+                    continue
+                times = []
+                for n in (1, decode_tokens):
+                    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+                    sync()
+                    t = time.monotonic()
+                    llm.generate(prompts[:b], params, use_tqdm=False)
+                    sync()
+                    times.append(time.monotonic() - t)
+                tok_s = b * (decode_tokens - 1) / max(times[1] - times[0], 1e-9)
+                row: dict[str, Any] = {"decode_tok_per_s": tok_s, "step_ms": 1e3 * b / tok_s}
+                if copy_gb_per_s:
+                    roofline = b / (runner.weight_bytes / (copy_gb_per_s * 1e9))
+                    row.update(roofline_tok_per_s=roofline, frac_of_roofline=tok_s / roofline)
+                entry[f"batch_{b}"] = row
+            result[mode] = entry
+            del llm, runner
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        result["traceback"] = traceback.format_exc()
+    finally:
+        gc.collect()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return result
+
+
+def format_graphs(result: dict[str, Any]) -> list[str]:
+    """gpu_check's table lines for this part."""
+    if "error" in result:
+        return [f"CUDA graphs: FAILED {result['error']}"]
+    shape = result["model_shape"]
+    lines = [f"decode, random Llama-3-8B-shaped model ({shape['layers']} layers, {result['dtype']}),"
+             f" graphs vs eager:"]
+    for mode in ("graphs", "eager"):
+        entry = result.get(mode, {})
+        if "skipped" in entry or not entry:
+            lines.append(f"  {mode:6s} {entry.get('skipped', 'not run')}")
+            continue
+        capture = (f" (capture {entry['capture_s']:.1f} s, {entry['capture_mib']:.0f} MiB)"
+                   if "capture_s" in entry else "")
+        cells = []
+        for key, row in entry.items():
+            if key.startswith("batch_") and "decode_tok_per_s" in row:
+                roof = (f" = {100 * row['frac_of_roofline']:.0f}% of roofline"
+                        if "frac_of_roofline" in row else "")
+                cells.append(f"b={key[6:]} {row['decode_tok_per_s']:.0f} tok/s{roof}")
+        lines.append(f"  {mode:6s} " + "; ".join(cells) + capture)
+    return lines
