@@ -12,6 +12,7 @@ from .cpu_attention import plan_torch_attention
 from .cpu_decode_kernel import load_decode_kernel
 from .cuda_graphs import DecodeGraphs, DecodeRows, capture_sizes
 from .cpu_linear import pack_linears, packed_linear_available
+from .cpu_malloc import keep_freed_memory
 from .device import pick_device, pick_dtype
 from .executor import StepResult
 from .model_config import ModelConfig
@@ -31,8 +32,11 @@ class ModelRunner:
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, model_cfg, self.device)
         torch.manual_seed(config.seed)
-        if self.device.type == "cpu" and config.cpu_threads is not None:
-            torch.set_num_threads(config.cpu_threads)
+        self.kept_freed_memory = False
+        if self.device.type == "cpu":
+            if config.cpu_threads is not None:
+                torch.set_num_threads(config.cpu_threads)
+            self.kept_freed_memory = keep_freed_memory()
         self.block_size = config.block_size
         self.model_cfg = model_cfg
         self.vocab_size = model_cfg.vocab_size

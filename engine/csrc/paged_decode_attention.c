@@ -1,9 +1,10 @@
 /* Paged decode attention on the CPU, float32: one query token per sequence, read
  * straight from the paged KV cache (no gather into a padded copy).
  *
- * One work item is (sequence, KV head): the query heads that share the KV head are
- * scored together, so each K/V row is read once per KV head. Blocks are visited in
- * table order with an online softmax (running max and denominator per query head).
+ * One work item is a sequence. Its blocks are visited in table order, each read front to
+ * back (every KV head in turn) with an online softmax (running max and denominator per
+ * query head); the query heads that share a KV head are scored together, so each K/V
+ * row is read once.
  * Work items are spread over OpenMP threads; loaded after torch, this library shares
  * torch's OpenMP runtime (same soname), so it adds no threads of its own.
  *
@@ -143,67 +144,69 @@ void paged_decode_attention_f32(
 {
     const int64_t group = num_heads / kv_heads;
     const int64_t row = kv_heads * head_dim; /* floats between consecutive tokens */
+    const int64_t block_floats = block_size * row; /* one block of one cache: contiguous */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t item = 0; item < num_seqs * kv_heads; ++item) {
-        const int64_t s = item / kv_heads, kvh = item % kv_heads;
+    for (int64_t s = 0; s < num_seqs; ++s) {
         const int64_t len = seq_lens[s];
-        float q[group * head_dim], acc[group * head_dim];
-        float m[group], l[group], p[group * block_size];
-        for (int64_t g = 0; g < group; ++g) {
-            const float *src = query + (s * num_heads + kvh * group + g) * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) {
-                q[g * head_dim + d] = src[d] * scale;
-                acc[g * head_dim + d] = 0.0f;
-            }
-            m[g] = -INFINITY;
-            l[g] = 0.0f;
+        /* head h = kvh * group + g: a KV head's query heads are consecutive */
+        float q[num_heads * head_dim], acc[num_heads * head_dim];
+        float m[num_heads], l[num_heads], p[group * block_size];
+        for (int64_t i = 0; i < num_heads * head_dim; ++i) {
+            q[i] = query[s * num_heads * head_dim + i] * scale;
+            acc[i] = 0.0f;
+        }
+        for (int64_t h = 0; h < num_heads; ++h) {
+            m[h] = -INFINITY;
+            l[h] = 0.0f;
         }
         for (int64_t start = 0; start < len; start += block_size) {
             const int64_t block = block_tables[s * table_width + start / block_size];
             const int64_t n = len - start < block_size ? len - start : block_size;
-            const float *kb = k_cache + block * block_size * row + kvh * head_dim;
-            const float *vb = v_cache + block * block_size * row + kvh * head_dim;
             if (start + block_size < len) {
                 /* The next block sits anywhere in the cache, out of the hardware
-                 * prefetcher's sight: ask for its rows while this one is computed. */
+                 * prefetcher's sight: ask for it while this one is computed. */
                 const int64_t next = block_tables[s * table_width + start / block_size + 1];
-                const float *kn = k_cache + next * block_size * row + kvh * head_dim;
-                const float *vn = v_cache + next * block_size * row + kvh * head_dim;
-                for (int64_t t = 0; t < block_size; ++t)
-                    for (int64_t d = 0; d < head_dim; d += 16) {
-                        __builtin_prefetch(kn + t * row + d);
-                        __builtin_prefetch(vn + t * row + d);
-                    }
-            }
-            block_scores(q, kb, row, n, group, head_dim, p, block_size);
-            for (int64_t g = 0; g < group; ++g) {
-                float block_max = -INFINITY;
-                for (int64_t t = 0; t < n; ++t)
-                    block_max = p[g * block_size + t] > block_max ? p[g * block_size + t] : block_max;
-                const float new_max = block_max > m[g] ? block_max : m[g];
-                const float correction = expf(m[g] - new_max); /* 0 on the first block */
-                float sum = 0.0f;
-                float *pg = p + g * block_size;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < n; ++t) {
-                    const float e = exp_nonpositive(pg[t] - new_max);
-                    pg[t] = e;
-                    sum += e;
+                for (int64_t i = 0; i < block_floats; i += 16) {
+                    __builtin_prefetch(k_cache + next * block_floats + i);
+                    __builtin_prefetch(v_cache + next * block_floats + i);
                 }
-                l[g] = l[g] * correction + sum;
-                m[g] = new_max;
-                float *ag = acc + g * head_dim;
-#pragma omp simd
-                for (int64_t d = 0; d < head_dim; ++d)
-                    ag[d] *= correction;
             }
-            block_values(p, block_size, vb, row, n, group, head_dim, acc);
+            /* every KV head of the block in turn: the block is read front to back */
+            for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+                const float *kb = k_cache + block * block_floats + kvh * head_dim;
+                const float *vb = v_cache + block * block_floats + kvh * head_dim;
+                float *qk = q + kvh * group * head_dim, *ak = acc + kvh * group * head_dim;
+                block_scores(qk, kb, row, n, group, head_dim, p, block_size);
+                for (int64_t g = 0; g < group; ++g) {
+                    const int64_t h = kvh * group + g;
+                    float *pg = p + g * block_size;
+                    float block_max = -INFINITY;
+                    for (int64_t t = 0; t < n; ++t)
+                        block_max = pg[t] > block_max ? pg[t] : block_max;
+                    const float new_max = block_max > m[h] ? block_max : m[h];
+                    const float correction = expf(m[h] - new_max); /* 0 on the first block */
+                    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                    for (int64_t t = 0; t < n; ++t) {
+                        const float e = exp_nonpositive(pg[t] - new_max);
+                        pg[t] = e;
+                        sum += e;
+                    }
+                    l[h] = l[h] * correction + sum;
+                    m[h] = new_max;
+                    float *ag = ak + g * head_dim;
+#pragma omp simd
+                    for (int64_t d = 0; d < head_dim; ++d)
+                        ag[d] *= correction;
+                }
+                block_values(p, block_size, vb, row, n, group, head_dim, ak);
+            }
         }
-        for (int64_t g = 0; g < group; ++g) {
-            float *dst = out + (s * num_heads + kvh * group + g) * head_dim;
-            const float inv = 1.0f / l[g];
+        for (int64_t h = 0; h < num_heads; ++h) {
+            float *dst = out + (s * num_heads + h) * head_dim;
+            const float inv = 1.0f / l[h];
             for (int64_t d = 0; d < head_dim; ++d)
-                dst[d] = acc[g * head_dim + d] * inv;
+                dst[d] = acc[h * head_dim + d] * inv;
         }
     }
 }
