@@ -41,6 +41,10 @@ class Executor(Protocol):
     def counters(self) -> dict[str, float]:
         """Cumulative figures of the executor's own, exported as kvpilot: metrics."""
 
+    def release_loader_threads(self) -> None:
+        """Called on the thread that loaded the model when stepping moves to another
+        (the server's engine thread): free what only the loading thread would use."""
+
     def make_generator(self, seed: int) -> Any:
         """A per-request random generator for a seeded request (None if not needed)."""
 

@@ -49,6 +49,8 @@ class AsyncEngine:
         self.metrics.record_capacity(
             self.engine.kv_cache_bytes, self.engine.kv_bytes_per_token, self.engine.weight_bytes
         )
+        # From here on only the engine thread runs the model (see cpu_threads.py).
+        self.engine.runner.release_loader_threads()
         self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
         self._thread.start()
 

@@ -86,6 +86,9 @@ class SimulatedExecutor:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Nothing to allocate: the KV cache manager's block bookkeeping is the cache."""
 
+    def release_loader_threads(self) -> None:
+        pass  # no torch, no thread pools
+
     def counters(self) -> dict[str, float]:
         return {"simulated_steps": float(self.num_steps), "simulated_busy_seconds": self.busy_s,
                 "simulated_overrun_seconds": self.overrun_s}
