@@ -74,8 +74,9 @@ class ModelRunner:
                       f"(captured in {self.graphs.capture_seconds:.1f} s)")
         elif self.device.type == "cuda":
             graphs = "; eager (no CUDA graphs)"
+        memory = "; freed memory kept in the process (mallopt)" if self.kept_freed_memory else ""
         return (f"attention backend {self.backend}{decode}; {self.dtype} on {self.device}"
-                f"{linears}{graphs}")
+                f"{linears}{graphs}{memory}")
 
     def counters(self) -> dict[str, float]:
         return {}
