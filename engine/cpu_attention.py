@@ -46,7 +46,7 @@ class PrefillItem:
 
 
 @dataclass
-class DecodeRows:
+class KernelDecodeRows:
     """Every decode row of the step, for the C kernel (cpu_decode_kernel.py)."""
 
     rows: torch.Tensor  # [n] int64: query rows
@@ -58,7 +58,7 @@ class DecodeRows:
 class TorchAttentionPlan:
     decode: list[DecodeGroup]  # SDPA's length groups (empty when the kernel runs decode)
     prefill: list[PrefillItem]
-    decode_rows: DecodeRows | None = None  # with the kernel
+    decode_rows: KernelDecodeRows | None = None  # with the kernel
 
 
 def split_sorted(lengths: list[int]) -> list[list[int]]:
@@ -97,7 +97,7 @@ def plan_torch_attention(
     if decode_kernel and decode_idx:
         seqs = torch.tensor(decode_idx)
         width = -(-max(seq_lens[i] for i in decode_idx) // block_size)
-        rows = DecodeRows(torch.tensor([starts[i] for i in decode_idx], device=device),
+        rows = KernelDecodeRows(torch.tensor([starts[i] for i in decode_idx], device=device),
                           block_tables[seqs, :width].to(device),
                           torch.tensor([seq_lens[i] for i in decode_idx], dtype=torch.int32,
                                        device=device))

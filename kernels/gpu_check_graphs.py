@@ -111,6 +111,8 @@ def run_decode_graphs(
 
 def format_graphs(result: dict[str, Any]) -> list[str]:
     """gpu_check's table lines for this part."""
+    if "skipped" in result:
+        return [f"CUDA graphs: skipped ({result['skipped']})"]
     if "error" in result:
         return [f"CUDA graphs: FAILED {result['error']}"]
     shape = result["model_shape"]
