@@ -8,7 +8,7 @@ export PIP_CACHE_DIR ?= $(HOME)/.cache/pip
 export KVPILOT_CACHE_DIR ?= $(HOME)/.cache/kvpilot
 include e2e/cluster.mk
 
-.PHONY: dev test test-fast image demo autotune-bench clean
+.PHONY: dev lint test test-fast image demo autotune-bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@# `python -m` puts the working directory on sys.path, where operator/ would shadow the
@@ -20,7 +20,10 @@ $(VENV)/.installed: pyproject.toml
 
 dev: $(VENV)/.installed
 
-test: dev node-deps
+lint: dev
+	$(VENV)/bin/ruff check .
+
+test: dev lint node-deps
 	$(VENV)/bin/pytest -q tests e2e
 
 test-fast: dev

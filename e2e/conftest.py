@@ -5,6 +5,8 @@
     namespace      a fresh namespace for one test, Pod Security `restricted` enforced
                    (deleted afterwards)
     wait_for       the polling helper (predicate, timeout, interval)
+    tuned_operator module-scoped: the chart's operator installed with a 1 s resync
+                   (skips without Prometheus); yields its kube client
 
 The first run on a machine builds Kubernetes from the Go module proxy (see
 e2e/README.md); later runs start the cluster in well under a minute."""
@@ -67,3 +69,12 @@ def namespace(cluster):
 @pytest.fixture(scope="session")
 def wait_for():
     return _wait_for
+
+
+@pytest.fixture(scope="module")
+def tuned_operator(cluster, wait_for):
+    from test_operator import installed_operator  # a test module's helper; imported when first used
+    if not cluster.prometheus_url:
+        pytest.skip("the local cluster runs without Prometheus")
+    with installed_operator(cluster, wait_for, resync_interval=1) as kube:
+        yield kube

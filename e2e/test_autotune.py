@@ -21,20 +21,12 @@ import httpx
 import pytest
 
 from kvpilot.engine.bench_serve import BenchConfig, benchmark
-from test_operator import diagnose, engine_pods, installed_operator, is_ready, llmd, operator_ready
+from test_operator import diagnose, engine_pods, is_ready, llmd, operator_ready
 
 pytestmark = pytest.mark.e2e
 
 INTERVAL, WINDOW, COOLDOWN = "3s", "10s", "5s"
 WINDOW_S = 10
-
-
-@pytest.fixture(scope="module")
-def tuned_operator(cluster, wait_for):
-    if not cluster.prometheus_url:
-        pytest.skip("the local cluster runs without Prometheus")
-    with installed_operator(cluster, wait_for, resync_interval=1) as kube:
-        yield kube
 
 
 class Load:
@@ -243,9 +235,7 @@ def test_b_too_few_seqs_with_a_roomy_cache_raises_them_and_queue_time_falls(clus
               f"{t_first:.0f}s after load start (Auto from {t_auto:.0f}s), at >=8 after {t_high - t0:.0f}s; "
               f"changes: "
               f"{[d['change'] for d in st.get('history', [])]}")
-        # Per token: a faster engine makes more preemptions per second at any setting that
-        # overfills the cache (4 x 160 tokens > 512 here), but wastes less work per token.
-        assert after_per_token < 0.5 * before_per_token, (before_per_token, after_per_token)
+        assert after < 0.5 * before, (before, after)
     finally:
         cleanup(cluster, ns)
 

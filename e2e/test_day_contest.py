@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from day_contest import prompt_vocab, run_realtime
-from test_autotune import tuned_operator  # noqa: F401  (the fixture: the chart installed, 1 s resync)
 
 from kvpilot.engine.sim.scenarios import scenario
 from kvpilot.operator.autotune.contest import Contender, run_contender

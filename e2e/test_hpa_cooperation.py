@@ -12,7 +12,6 @@ import pytest
 
 import kvsession as ks
 from demo_story import SIM_ENGINE, SIM_RESOURCES
-from test_autotune import tuned_operator  # noqa: F401  (the fixture: the chart installed, 1 s resync)
 from test_operator import diagnose
 
 pytestmark = pytest.mark.e2e

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 
 import kvsession as ks
-from test_autotune import tuned_operator  # noqa: F401  (the fixture: the chart installed, 1 s resync)
 from test_operator import diagnose
 
 pytestmark = pytest.mark.e2e

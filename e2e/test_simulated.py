@@ -12,7 +12,6 @@ import pytest
 import yaml
 
 from demo_story import FAST, Story
-from test_autotune import tuned_operator  # noqa: F401  (the fixture: the chart installed, 1 s resync)
 from test_operator import condition, diagnose
 
 pytestmark = pytest.mark.e2e

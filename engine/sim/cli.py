@@ -212,7 +212,6 @@ def _base_accelerator(args):
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from .calibrate import fit
     from .hardware import CALIBRATED_FIELDS
-    from .shapes import resolve_model_shape
     records, meta = _records(args)
     model = _recorded_shape(args, meta)
     acc, report = fit(model, _base_accelerator(args), records)
@@ -232,7 +231,6 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _cmd_predict(args: argparse.Namespace) -> int:
     from .calibrate import errors
     from .hardware import resolve_accelerator
-    from .shapes import resolve_model_shape
     records, meta = _records(args)
     model = _recorded_shape(args, meta)
     acc = resolve_accelerator(args.simulate, args.simulate_calibration)
