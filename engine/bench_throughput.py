@@ -115,6 +115,8 @@ def run_vllm(args, config, workload, enforce_eager: bool) -> ThroughputResult:
         result_file = Path(tmp) / "result.json"
         spec = {"model": str(resolve_model(config.model)), "dtype": config.dtype,
                 "enforce_eager": enforce_eager, "max_num_seqs": config.max_num_seqs,
+                # the same chunked-prefill budget (vLLM's offline default on the CPU is 4096)
+                "max_num_batched_tokens": config.max_num_batched_tokens,
                 "max_model_len": config.max_model_len, "seed": config.seed,
                 "enable_prefix_caching": config.enable_prefix_caching,
                 "prompts": [p for p, _ in workload], "output_lens": [o for _, o in workload],

@@ -15,7 +15,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=spec["model"], dtype=spec["dtype"], enforce_eager=spec["enforce_eager"],
-              max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"],
+              max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
+              max_model_len=spec["max_model_len"],
               seed=spec["seed"], enable_prefix_caching=spec["enable_prefix_caching"])
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)

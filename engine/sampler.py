@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .argmax_rows import argmax_rows
 from .penalties import PenaltyCounts, apply_penalties
 from .request import Request
 
@@ -100,7 +101,7 @@ class Sampler:
                                      batch.frequency, batch.repetition)
         if batch.min_tokens_mask is not None:
             logits = logits.masked_fill(batch.min_tokens_mask, float("-inf"))
-        greedy_ids = logits.argmax(dim=-1)
+        greedy_ids = argmax_rows(logits)
         if batch.all_greedy:
             token_ids = greedy_ids
         else:
@@ -125,7 +126,7 @@ class Sampler:
         for i, gen in enumerate(batch.generators):
             if gen is not None:
                 noise[i].exponential_(generator=gen)
-        return (probs / noise).argmax(dim=-1)
+        return argmax_rows(probs / noise)
 
 
 def _top_k_top_p(

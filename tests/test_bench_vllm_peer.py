@@ -60,6 +60,7 @@ def test_vllm_runs_the_same_workload_eager_and_compiled(fake_vllm, capsys):
     assert results[0]["prompt_tokens"] == sum(map(len, calls[0]["prompts"]))
     s = calls[0]["settings"]
     assert (s["dtype"], s["max_num_seqs"], s["enable_prefix_caching"]) == ("float32", 8, True)
+    assert s["max_num_batched_tokens"] == 2048  # kvpilot's budget, not vLLM's own default
     assert calls[0]["cwd"] == "/" and calls[0]["kv_space"] == "2"
 
 
