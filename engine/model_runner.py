@@ -22,6 +22,7 @@ from .outputs import TokenLogprob
 from .sampler import Sampler, SamplerOutput, SamplingBatch
 from .scheduler import SchedulerOutput
 from .step_inputs import BlockTables, StepInputs
+from .step_staging import StagedStep, StepStaging
 from .weights import iter_safetensors
 
 log = logging.getLogger("kvpilot.engine")
@@ -60,6 +61,8 @@ class ModelRunner:
         self.use_cuda_graphs = (self.device.type == "cuda" and self.backend == "triton"
                                 and not config.enforce_eager)
         self.graphs: DecodeGraphs | None = None  # captured in allocate_kv_cache
+        # Eager steps' metadata through pinned staging; the CPU uses the host tensors as they are.
+        self.staging = StepStaging(self.device) if self.device.type != "cpu" else None
 
     def describe(self) -> str:
         linears = (f"; {self.packed_linears} linear layers through oneDNN" if self.packed_linears
@@ -148,11 +151,15 @@ class ModelRunner:
                 step.input_ids, step.positions, step.slot_mapping, step.block_tables,
                 torch.tensor(step.seq_lens, dtype=torch.int32)))  # [num_seqs, hidden]
             return self._sample(step, hidden)
+        if self.staging is not None:
+            staged = self.staging.upload(step.input_ids, step.positions, step.slot_mapping,
+                                         step.block_tables, step.seq_lens, step.query_start_loc)
+        else:
+            staged = StagedStep(step.input_ids, step.positions, step.slot_mapping, step.block_tables,
+                                torch.tensor(step.seq_lens, dtype=torch.int32), step.query_start_loc)
         meta = AttentionMetadata(
-            slot_mapping=step.slot_mapping.to(dev, non_blocking=True),
-            block_tables=step.block_tables.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            query_start_loc=step.query_start_loc.to(dev, non_blocking=True),
+            slot_mapping=staged.slot_mapping, block_tables=staged.block_tables,
+            seq_lens=staged.seq_lens, query_start_loc=staged.query_start_loc,
             max_query_len=max(step.query_lens),
             max_seq_len=max(step.seq_lens),
             seq_lens_cpu=step.seq_lens,
@@ -161,10 +168,7 @@ class ModelRunner:
                 step.block_tables, step.seq_lens, step.query_lens, self.block_size, dev,
                 decode_kernel=self.attention.decode_kernel is not None),
         )
-        hidden = self.model(
-            step.input_ids.to(dev, non_blocking=True), step.positions.to(dev, non_blocking=True),
-            self.kv_caches, meta,
-        )  # [num_tokens, hidden]
+        hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, meta)  # [num_tokens, hidden]
         return self._sample(step, hidden)
 
     def _sample(self, step: StepInputs, hidden: torch.Tensor) -> StepResult:
