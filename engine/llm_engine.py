@@ -18,6 +18,7 @@ from .quantity import format_bytes
 from .request import Request, RequestGroup, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerLimits
+from .step_isolation import run_isolating, without
 from .tokenizer import Tokenizer
 from .validation import positive_int, token_ids
 
@@ -200,35 +201,67 @@ class LLMEngine:
             self._left_work = False
             return []
         scheduled.follows_previous = self._left_work
-        result = self.runner.run(scheduled)
+        result, failed = run_isolating(self.runner.run, scheduled)
+        if failed:
+            result = without(result, {req.group for req in failed})
         progressed = self.scheduler.update(scheduled, result.requests, result.token_ids)
-        outputs = self._emit(progressed, result.logprobs)
+        outputs = self._emit(progressed, result.logprobs, failed)
+        if failed:
+            outputs += self._fail(failed)
         self._left_work = self.has_unfinished_requests()
         return outputs
 
-    def _emit(self, progressed: list[Request], logprobs) -> list[RequestOutput]:
+    def _fail(self, failed: dict[Request, Exception]) -> list[RequestOutput]:
+        """End each failed request's whole group (its other choices too) as aborted, with
+        an error saying so; the exception itself stays in the log."""
+        outputs = []
+        for group in {req.group.request_id: req.group for req in failed}.values():
+            reason = next(type(e).__name__ for r, e in failed.items() if r.group is group)
+            self.abort_request(group.request_id)
+            outputs.append(RequestOutput(
+                request_id=group.request_id, prompt=group.prompt,
+                prompt_token_ids=group.prompt_token_ids,
+                outputs=[c.completion for c in group.children], finished=True,
+                error=f"the engine failed on this request ({reason}); other requests were not affected"))
+        return outputs
+
+    def _emit(self, progressed: list[Request], logprobs,
+              failed: dict[Request, Exception]) -> list[RequestOutput]:
+        """Record each new token; a request whose output processing raises joins `failed`."""
         now = self.clock.now()
-        sink = self.latency_sink
-        self.generation_tokens_total += len(progressed)
+        ok = []
         for k, req in enumerate(progressed):
-            times = req.times
-            if len(req.output_token_ids) == 1:
-                self.prompt_tokens_total += req.num_prompt_tokens
-                times.first_token = now
-                if sink is not None and self.outputs.first_token_of_group(req):
-                    sink.record_first_token(now - times.arrival)
-            elif sink is not None:
-                sink.record_inter_token(now - times.last_token)
-            times.last_token = now
-            stop = self.outputs.on_token(req, logprobs[k] if logprobs is not None else None)
-            if stop is not None and not req.status.finished:
-                req.stop_reason = stop
-                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-            if req.status.finished:
-                self.outputs.on_finished(req)
-                if sink is not None:
-                    sink.record_finished(finished_record(req, req.status.value))
-        return self.outputs.collect(progressed)
+            try:
+                self._emit_one(req, logprobs[k] if logprobs is not None else None, now)
+                ok.append(req)
+            except Exception as exc:
+                log.exception("output processing failed for request %s", req.request_id)
+                failed[req] = exc
+        self.generation_tokens_total += len(progressed)
+        if len(ok) < len(progressed):
+            dropped = {req.group for req in failed}
+            ok = [req for req in ok if req.group not in dropped]
+        return self.outputs.collect(ok)
+
+    def _emit_one(self, req: Request, logprob, now: float) -> None:
+        sink = self.latency_sink
+        times = req.times
+        if len(req.output_token_ids) == 1:
+            self.prompt_tokens_total += req.num_prompt_tokens
+            times.first_token = now
+            if sink is not None and self.outputs.first_token_of_group(req):
+                sink.record_first_token(now - times.arrival)
+        elif sink is not None:
+            sink.record_inter_token(now - times.last_token)
+        times.last_token = now
+        stop = self.outputs.on_token(req, logprob)
+        if stop is not None and not req.status.finished:
+            req.stop_reason = stop
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        if req.status.finished:
+            self.outputs.on_finished(req)
+            if sink is not None:
+                sink.record_finished(finished_record(req, req.status.value))
 
     def stats(self) -> EngineStats:
         prefix = self.kv_cache.prefix_stats

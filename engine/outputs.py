@@ -54,6 +54,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: RequestMetrics | None = None
+    error: str | None = None  # the engine failed on this request alone (it ends with "abort")
 
 
 @dataclass

@@ -9,7 +9,7 @@ _SUFFIXES = {
     "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
 }
-_QUANTITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kMGT]i?|)\s*$")
+_QUANTITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|k|M|G|T|)\s*$")
 
 
 def parse_bytes(name: str, value: object) -> int:

@@ -79,6 +79,15 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def envelope(r: httpx.Response, status: int) -> dict:
+    """The OpenAI error envelope of a response with `status`; no traceback in it."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert "Traceback" not in r.text
+    return err
+
+
 def wait_for(predicate, deadline_s: float, interval: float = 0.1, what: str = "condition"):
     """Poll until predicate() is truthy; return its value or raise after the deadline."""
     deadline = time.monotonic() + deadline_s

@@ -46,6 +46,10 @@ def test_quantities():
     assert parse_bytes("x", "64Mi") == 64 * 2**20
     assert parse_bytes("x", "1G") == 10**9
     assert parse_bytes("x", 4096) == 4096
+    assert parse_bytes("x", "64Ki") == 64 * 2**10 and parse_bytes("x", "2k") == 2000
+    for bad in ("64ki", "1KB", "1 Mib"):  # "ki" once matched the pattern and then raised KeyError
+        with pytest.raises(ValueError, match="x must be a byte count"):
+            parse_bytes("x", bad)
 
 
 def test_kv_cache_too_small_for_max_model_len_names_both_numbers():

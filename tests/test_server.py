@@ -17,7 +17,7 @@ import pytest
 
 from server_harness import (
     SHARED_API_KEY, SHARED_MAX_MODEL_LEN, SHARED_MAX_NUM_SEQS, SHARED_MODEL, shared_server,
-    wait_for, write_tuning,
+    envelope, wait_for, write_tuning,
 )
 
 API_KEY = SHARED_API_KEY
@@ -78,7 +78,7 @@ def test_completion_usage_matches_tokenizer(server, client, tokenizer):
     assert r.usage.completion_tokens == 12 == len(r.choices[0].logprobs.tokens)
     assert r.usage.total_tokens == r.usage.prompt_tokens + 12
     assert r.choices[0].finish_reason == "length"
-    tok = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()
+    tok = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, headers=_auth()).json()
     assert tok["count"] == r.usage.prompt_tokens
     # token ids as the prompt; echo puts the prompt text in front
     ids = tokenizer.encode(prompt)
@@ -188,14 +188,6 @@ def test_server_timing_header_on_non_streaming_responses(server):
 
 # --- errors -------------------------------------------------------------------------------
 
-def _envelope(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert "Traceback" not in r.text
-    return err
-
-
 @pytest.mark.parametrize("body,param", [
     (b'{"model": "tiny", "prompt": ', None),                      # malformed JSON
     (b'[1, 2]', None),                                           # not an object
@@ -211,10 +203,10 @@ def _envelope(r: httpx.Response, status: int) -> dict:
     (b'{"model": "tiny", "prompt": [99999]}', "prompt"),
     (b'{"model": "tiny", "prompt": "a", "service_tier": "cheap"}', "service_tier"),
 ])
-def test_bad_input_is_400_in_the_envelope(server, body, param):
+def test_bad_input_is_400_in_theenvelope(server, body, param):
     r = httpx.post(server.url + "/v1/completions", content=body,
                    headers={**_auth(), "Content-Type": "application/json"}, timeout=30)
-    err = _envelope(r, 400)
+    err = envelope(r, 400)
     assert err["param"] == param and err["type"] == "invalid_request_error"
 
 
@@ -222,7 +214,7 @@ def test_chat_bad_input(server):
     for body in ({"model": MODEL, "messages": []},
                  {"model": MODEL, "messages": [{"role": "user", "content": 3}]},
                  {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}):
-        _envelope(httpx.post(server.url + "/v1/chat/completions", json=body, headers=_auth()), 400)
+        envelope(httpx.post(server.url + "/v1/chat/completions", json=body, headers=_auth()), 400)
 
 
 def test_length_errors_name_both_numbers(server, client):
@@ -258,10 +250,10 @@ def test_unknown_model_auth_and_routes(server, client):
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
-    _envelope(httpx.get(server.url + "/v1/models"), 401)
+    envelope(httpx.get(server.url + "/v1/models"), 401)
     assert httpx.get(server.url + "/health").status_code == 200  # open without a key
     assert httpx.get(server.url + "/metrics").status_code == 200
-    _envelope(httpx.get(server.url + "/no/such/route"), 404)
+    envelope(httpx.get(server.url + "/no/such/route"), 404)
 
 
 # --- metrics ------------------------------------------------------------------------------

@@ -52,12 +52,14 @@ def test_queue_full_429_then_sigterm_drains_and_exits_0(server):
     with pytest.raises(openai.RateLimitError) as e:
         client.completions.create(model="tiny", prompt="one too many", max_tokens=2)
     assert e.value.body["type"] and "queue" in e.value.message
+    assert e.value.response.headers["retry-after"] == "1"
 
     server.proc.send_signal(signal.SIGTERM)
     wait_for(lambda: httpx.get(server.url + "/health").status_code == 503, 10, what="health 503")
+    assert httpx.get(server.url + "/health").headers["retry-after"] == "1"
     with pytest.raises(openai.InternalServerError) as e:
         client.completions.create(model="tiny", prompt="too late", max_tokens=2)
-    assert e.value.status_code == 503
+    assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
     a.join(120)
     b.join(120)
     for name in ("a", "b"):

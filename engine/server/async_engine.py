@@ -180,7 +180,7 @@ class AsyncEngine:
             if engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
-                except Exception as exc:  # a bug or a device failure: fail the batch, keep serving
+                except Exception as exc:  # outside any one request (step_isolation): fail all, keep serving
                     log.exception("engine step failed")
                     self._fail_all(f"engine step failed: {type(exc).__name__}")
                     outputs = []
@@ -242,6 +242,10 @@ class AsyncEngine:
             track = self._live.get(out.request_id)
             if track is None:
                 continue  # aborted while this step ran
+            if out.error is not None:  # the engine failed on this request alone
+                del self._live[out.request_id]
+                batch.append(Snapshot(out.request_id, [], True, track.num_prompt_tokens, error=out.error))
+                continue
             m = out.metrics
             track.num_cached_tokens = m.num_cached_tokens if m else 0
             batch.append(Snapshot(out.request_id, track.deltas(out.outputs), out.finished,

@@ -11,9 +11,12 @@ log = logging.getLogger("kvpilot.server")
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     from ..engine_args import add_engine_args
+    from ..flags import add_dataclass_flags
+    from .limits import ServerLimits
 
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_engine_args(p)
+    add_dataclass_flags(p.add_argument_group("request limits"), ServerLimits, "")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
@@ -34,7 +37,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..engine_args import engine_config_from_args
+    from ..flags import dataclass_from_args
     from ..llm_engine import LLMEngine
+    from .limits import ServerLimits
     from .app import build_app
     from .async_engine import AsyncEngine
     from .metrics import ServerMetrics
@@ -45,6 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"max_queued_requests must be at least 1, got {args.max_queued_requests}")
     if args.drain_timeout < 0:
         raise ValueError(f"drain_timeout must be non-negative, got {args.drain_timeout}")
+    limits = dataclass_from_args(ServerLimits, args, "")
     config = engine_config_from_args(args)
     engine = LLMEngine(config)
     name = config.model_name
@@ -55,7 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=name, model_path=config.model,
         max_queued_requests=args.max_queued_requests,
         api_key=args.api_key or os.environ.get("KVPILOT_API_KEY") or None,
-        drain_timeout=args.drain_timeout,
+        drain_timeout=args.drain_timeout, limits=limits,
     )
     recorder = None
     if args.record_steps:

@@ -3,6 +3,7 @@ in that envelope: never a 422, never a traceback."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from http import HTTPStatus
@@ -13,6 +14,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .json_body import BodyError, decode_json
+from .protocol import _Body, unsupported_field
+
 log = logging.getLogger("kvpilot.server")
 
 # status -> (type, code): the values the OpenAI API uses for the same failures.
@@ -20,10 +24,15 @@ _KINDS = {
     400: ("invalid_request_error", None),
     401: ("invalid_request_error", "invalid_api_key"),
     404: ("invalid_request_error", None),
+    408: ("invalid_request_error", "request_timeout"),
+    413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "queue_full"),
     500: ("server_error", "internal_error"),
     503: ("server_error", "unavailable"),
 }
+# Seconds a client should wait before retrying: a full queue turns over within steps; a
+# draining server is leaving, and the Service sends the retry to another replica.
+RETRY_AFTER_S = {429: 1, 503: 1}
 
 
 class APIError(Exception):
@@ -39,18 +48,32 @@ class APIError(Exception):
         self.code = code or default_code
         self.type = type or default_type
 
+    @property
+    def headers(self) -> dict[str, str]:
+        retry = RETRY_AFTER_S.get(self.status)
+        return {"Retry-After": str(retry)} if retry is not None else {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None,
                type: str | None = None) -> dict:
-    err = APIError(status, message, param=param, code=code, type=type)
-    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+    return APIError(status, message, param=param, code=code, type=type).body()
 
 
 def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}},
-        status_code=err.status, headers=headers,
-    )
+    return JSONResponse(err.body(), status_code=err.status, headers={**err.headers, **(headers or {})})
+
+
+async def send_error(send, err: APIError, headers: list[tuple[bytes, bytes]] = ()) -> None:
+    """The envelope straight on the ASGI channel, for middleware that answers before the app."""
+    body = json.dumps(err.body()).encode()
+    await send({"type": "http.response.start", "status": err.status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        *((k.lower().encode(), v.encode()) for k, v in err.headers.items()), *headers]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _describe_validation(exc: RequestValidationError | ValidationError) -> tuple[str, str | None]:
@@ -77,15 +100,29 @@ def _describe_validation(exc: RequestValidationError | ValidationError) -> tuple
     return message, param
 
 
-async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
-    """The JSON body as `model`, whatever the Content-Type says; 400 in the envelope otherwise."""
+INLINE_BODY_BYTES = 64 * 1024  # larger bodies are decoded and validated on a worker thread
+
+
+async def parse_body(request: Request, model: type[_Body]) -> BaseModel:
+    """The JSON body as `model`, whatever the Content-Type says; 400 in the envelope otherwise
+    (the body's size and read time were bounded by BodyGuard before the route ran). Decoding
+    and validating a body of megabytes takes a few hundred ms: not on the event loop."""
     raw = await request.body()
+    if len(raw) <= INLINE_BODY_BYTES:
+        return _parse(raw, model)
+    return await asyncio.to_thread(_parse, raw, model)
+
+
+def _parse(raw: bytes, model: type[_Body]) -> BaseModel:
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise APIError(400, "the request body is not valid JSON") from None
+        data = decode_json(raw)
+    except BodyError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    field = unsupported_field(model, data)
+    if field is not None:
+        raise APIError(400, f"{field} is not supported by this server", param=field.split(".")[0])
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -7,11 +7,15 @@ and the process exits 0. A second signal exits at once."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .errors import APIError
 from .serving_common import ServerState
 
 log = logging.getLogger("kvpilot.server")
@@ -61,11 +65,66 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def _raw_error(status: int, reason: bytes, message: str) -> bytes:
+    """A whole HTTP/1.1 error response in the envelope, for errors found below the app."""
+    body = json.dumps(APIError(status, message).body()).encode()
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (status, reason, len(body), body))
+
+
+def header_deadline_protocol(timeout: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline on request headers: from the moment a connection
+    opens (or its previous response ends) the next request's headers must be complete within
+    `timeout` seconds, or the connection is closed (with a 408 if some of them came). uvicorn
+    has no such deadline: its keep-alive timer restarts on every byte, so a client trickling
+    a header a byte at a time held a connection forever. Bodies have BodyGuard's deadline."""
+
+    class HeaderDeadlineH11Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_header_deadline()
+
+        def connection_lost(self, exc) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            super().connection_lost(exc)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm_header_deadline()
+
+        def _arm_header_deadline(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_timer = self.loop.call_later(timeout, self._header_deadline_passed)
+
+        def _header_deadline_passed(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+                return  # the request's headers are in (its body has BodyGuard's deadline)
+            if self.conn.trailing_data[0]:  # part of a request came: say why it is dropped
+                self.transport.write(_raw_error(408, b"Request Timeout", (
+                    f"the request headers did not arrive within {timeout:g} s (--header-read-timeout)")))
+            self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn's answer to bytes that are not HTTP (or headers over h11's 16 KiB), in
+            # the envelope instead of plain text.
+            self.transport.write(_raw_error(400, b"Bad Request", f"not a valid HTTP request: {msg}"))
+            self.transport.close()
+
+    return HeaderDeadlineH11Protocol
+
+
 def run_server(app, state: ServerState, host: str, port: int, *, access_log: bool = True,
                log_level: str = "info") -> int:
     config = uvicorn.Config(
         app, host=host, port=port, log_config=None, access_log=access_log, log_level=log_level,
         timeout_graceful_shutdown=5, timeout_keep_alive=5,
+        http=header_deadline_protocol(state.settings.limits.header_read_timeout),
     )
     server = DrainingServer(config, state)
     asyncio.run(server.serve())

@@ -17,6 +17,16 @@ from .serving_common import (
 
 
 
+async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage],
+                          add_generation_prompt: bool = True) -> list[int]:
+    """The rendered conversation's token ids: refused up front when its text could not fit
+    max_model_len, rendered and tokenized off the event loop when long."""
+    num_chars = sum(len(m.text()) for m in messages)
+    state.prompts.check_size(num_chars, state.engine.max_model_len, "messages")
+    return await state.prompts.run(num_chars, lambda: render_chat_prompt(
+        state.engine.tokenizer, messages, add_generation_prompt), "messages")
+
+
 def render_chat_prompt(tokenizer, messages: list[ChatMessage],
                        add_generation_prompt: bool = True) -> list[int]:
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
@@ -56,7 +66,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     max_tokens_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = build_params(body, max_tokens=max_tokens, logprobs=top_k if body.logprobs else None)
-    prompt_ids = render_chat_prompt(tokenizer, body.messages, body.add_generation_prompt)
+    prompt_ids = await chat_prompt_ids(state, body.messages, body.add_generation_prompt)
     check_length(state, len(prompt_ids), params, max_tokens_field)
     stream = await admit(state, request, prompt_ids, params, arrival, body.engine_tier)
     reply = Reply(request, stream, id_prefix="chatcmpl",

@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from fastapi import Request
@@ -18,11 +18,12 @@ from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine
 from .streams import ChoiceDelta, EngineError, RequestStream, Snapshot, StreamClosed
 from .errors import APIError, error_body
+from .limits import ServerLimits
+from .prompts import PromptEncoder
 from .protocol import _Sampling
 from .server_timing import server_timing
 
 log = logging.getLogger("kvpilot.server")
-
 
 
 @dataclass
@@ -32,6 +33,7 @@ class ServerSettings:
     max_queued_requests: int | None = None
     api_key: str | None = None
     drain_timeout: float = 30.0
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
 
 @dataclass
@@ -41,6 +43,10 @@ class ServerState:
     settings: ServerSettings
     engine: AsyncEngine
     draining: bool = False
+    prompts: PromptEncoder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompts = PromptEncoder(self.engine.tokenizer)
 
 
 def check_model(model: str | None, settings: ServerSettings) -> str:
@@ -58,6 +64,8 @@ def _param_of(message: str, fields) -> str | None:
 def build_params(body: _Sampling, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     kwargs = dict(
         n=body.n, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos, max_tokens=max_tokens, min_tokens=body.min_tokens,
@@ -92,8 +100,11 @@ async def admit(state: ServerState, request: Request, prompt_ids: list[int],
     if state.draining:
         raise APIError(503, "the server is shutting down and admits no new requests")
     limit = state.settings.max_queued_requests
-    if limit is not None and state.engine.queue_length >= limit:
-        raise APIError(429, f"the waiting queue is full ({limit} requests); retry later")
+    if limit is not None and params.n > limit:  # it would never fit, whoever else waits
+        raise APIError(400, f"n ({params.n}) exceeds the server's waiting queue "
+                            f"({limit} sequences, --max-queued-requests)", param="n")
+    if limit is not None and state.engine.queue_length + params.n > limit:
+        raise APIError(429, f"the waiting queue is full ({limit} sequences); retry later")
     rid = state.engine.unique_request_id(request.headers.get("x-request-id"))
     try:
         return await state.engine.add(rid, prompt_ids, params, arrival_time=arrival, service_tier=service_tier)

@@ -16,8 +16,9 @@ from .serving_common import (
 )
 
 
-def _prompt_ids(body: CompletionRequest, tokenizer) -> tuple[list[int], str | None]:
+async def _prompt_ids(body: CompletionRequest, state: ServerState) -> tuple[list[int], str | None]:
     """(token ids, prompt text if given as text). One prompt per request."""
+    tokenizer = state.engine.tokenizer
     prompt = body.prompt
     if isinstance(prompt, list):
         if not prompt:
@@ -30,7 +31,7 @@ def _prompt_ids(body: CompletionRequest, tokenizer) -> tuple[list[int], str | No
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
-        return tokenizer.encode(prompt), prompt
+        return await state.prompts.encode(prompt, state.engine.max_model_len), prompt
     try:
         return token_ids("prompt token ids", list(prompt), tokenizer.vocab_size), None
     except ValueError as e:
@@ -69,8 +70,8 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)",
                        param="echo")
-    prompt_ids, prompt_text = _prompt_ids(body, tokenizer)
     params = build_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
+    prompt_ids, prompt_text = await _prompt_ids(body, state)
     check_length(state, len(prompt_ids), params)
     stream = await admit(state, request, prompt_ids, params, arrival, body.engine_tier)
     echo_text = ""
