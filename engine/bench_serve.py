@@ -14,6 +14,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import AsyncIterator
 
 from .bench_serve_stats import RequestResult, parse_goodput, print_result, summarize
 
@@ -78,8 +79,33 @@ def make_requests(cfg: BenchConfig, vocab_size: int) -> list[BenchRequest]:
             for n, o in zip(inputs, outputs)]
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def _headers(cfg: BenchConfig) -> dict[str, str]:
-    return {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    return auth_headers(cfg.api_key)
+
+
+def http_client(base_url: str, concurrency: int, timeout_s: float):
+    """An httpx.AsyncClient holding up to `concurrency` connections to the server."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    return httpx.AsyncClient(base_url=base_url.rstrip("/"), limits=limits,
+                             timeout=httpx.Timeout(timeout_s, connect=30.0))
+
+
+async def sse_data(resp) -> AsyncIterator[dict | None]:
+    """The JSON payloads of an SSE response, then None for `data: [DONE]` (and stop)."""
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            yield None
+            return
+        yield json.loads(data)
 
 
 async def _send(client, cfg: BenchConfig, req: BenchRequest) -> RequestResult:
@@ -102,13 +128,9 @@ async def stream_completion(client, url: str, body: dict,
                 text = (await resp.aread()).decode(errors="replace")
                 result.error = f"HTTP {resp.status_code}: {text[:200]}"
                 return result
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+            async for event in sse_data(resp):
+                if event is None:
                     break
-                event = json.loads(data)
                 if "error" in event:
                     result.error = str(event["error"].get("message", event["error"]))
                     return result
@@ -143,27 +165,28 @@ async def _arrivals(n: int, rate: float, burstiness: float, rng: random.Random):
         await asyncio.sleep(rng.gammavariate(burstiness, theta))
 
 
+async def served_models(client, api_key: str | None) -> dict[str, dict]:
+    """GET /v1/models: each served model's entry by id."""
+    resp = await client.get("/v1/models", headers=auth_headers(api_key))
+    if resp.status_code != 200:
+        raise RuntimeError(f"GET /v1/models failed: HTTP {resp.status_code}: {resp.text[:200]}")
+    return {m["id"]: m for m in resp.json().get("data", [])}
+
+
 async def _vocab_size(client, cfg: BenchConfig) -> int:
     if cfg.vocab_size:
         return cfg.vocab_size
-    resp = await client.get("/v1/models", headers=_headers(cfg))
-    if resp.status_code != 200:
-        raise RuntimeError(f"GET /v1/models failed: HTTP {resp.status_code}: {resp.text[:200]}")
-    models = {m["id"]: m for m in resp.json().get("data", [])}
+    models = await served_models(client, cfg.api_key)
     if cfg.model not in models:
         raise RuntimeError(f"the server does not serve {cfg.model!r} (it serves {sorted(models)})")
     return int(models[cfg.model].get("vocab_size") or DEFAULT_VOCAB)
 
 
 async def benchmark(cfg: BenchConfig) -> dict:
-    import httpx
     from tqdm.auto import tqdm
 
     limit = cfg.max_concurrency or cfg.num_prompts
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
-    async with httpx.AsyncClient(base_url=cfg.base_url.rstrip("/"), limits=limits,
-                                 timeout=timeout) as client:
+    async with http_client(cfg.base_url, limit, cfg.timeout_s) as client:
         requests = make_requests(cfg, await _vocab_size(client, cfg))
         semaphore = asyncio.Semaphore(limit)
         bar = tqdm(total=len(requests), desc="bench serve", unit="req", disable=cfg.disable_tqdm,

@@ -97,13 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     # as entry points of the group "kvpilot.commands", so the engine never names them.
     from importlib.metadata import entry_points
 
-    from . import bench_overhead, bench_serve, bench_throughput
+    from . import bench_overhead, bench_serve, bench_soak, bench_throughput
     from .server import cli as server_cli
     from .sim import cli as sim_cli
 
     bench_throughput.add_parser(bench)
     bench_serve.add_parser(bench)
     bench_overhead.add_parser(bench)
+    bench_soak.add_parser(bench)
     server_cli.add_parser(sub)
     sim_cli.add_parser(sub)
     for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
