@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kvpilot.engine import cpu_linear
-from kvpilot.engine.cpu_linear import PackedLinear, pack_linears, packed_linear_available
+from kvpilot.engine.cpu_linear import EXACT_ROWS, PackedLinear, pack_linears, packed_linear_available, padded_rows
 
 CPU = torch.device("cpu")
 
@@ -18,7 +18,7 @@ def test_this_torch_has_the_onednn_path_for_float32_only():
     assert not packed_linear_available(torch.float32, torch.device("cuda"))
 
 
-@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+@pytest.mark.parametrize("rows", [1, 7, 32, 65, 300, 513])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_nn_linear(rows, bias):
     torch.manual_seed(rows)
@@ -27,6 +27,15 @@ def test_packed_linear_equals_nn_linear(rows, bias):
     with torch.inference_mode():
         # float32 on the CPU; oneDNN sums in its own order.
         torch.testing.assert_close(PackedLinear(lin)(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+def test_row_counts_above_64_run_in_few_buckets_with_at_most_an_eighth_more_rows():
+    padded = [padded_rows(r) for r in range(1, 8193)]
+    assert padded[:EXACT_ROWS] == list(range(1, EXACT_ROWS + 1))  # decode batches stay exact
+    assert all(r <= p <= r * 1.125 for r, p in enumerate(padded, 1))
+    assert all(padded_rows(2**k) == 2**k for k in range(13))  # the 2048 budget is not padded
+    assert len(set(padded[:2048])) == 64 + 40 and len(set(padded)) == 64 + 56
+    assert padded == sorted(padded)
 
 
 def test_pack_linears_replaces_every_linear_in_place():
