@@ -15,7 +15,7 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when the user gives nothing on CPU
 
 
-def _setting(default, help: str, **flag) -> object:
+def setting(default, help: str, **flag) -> object:
     """A field with the help text (and argparse extras: choices, exclusive) its flag takes."""
     return field(default=default, metadata={"help": help, **flag})
 
@@ -25,31 +25,31 @@ class EngineConfig:
     """Every engine setting, once: `kvpilot serve/generate/bench/sim` generate their
     flags from these fields (flags.py), named as vLLM names them."""
 
-    model: str | None = _setting(
+    model: str | None = setting(
         None, "model directory, file:///PATH or builtin:tiny (with --simulate: optional)")
-    served_model_name: str | None = _setting(None, "the model name the API answers to (default: --model)")
-    dtype: str = _setting("auto", "weights' and activations' dtype (auto: the checkpoint's; float32 on CPU)",
+    served_model_name: str | None = setting(None, "the model name the API answers to (default: --model)")
+    dtype: str = setting("auto", "weights' and activations' dtype (auto: the checkpoint's; float32 on CPU)",
                           choices=DTYPE_CHOICES)
-    device: str = _setting("auto", "where the model runs (auto: cuda when present)", choices=DEVICE_CHOICES)
-    max_num_seqs: int = _setting(256, "most sequences in one step's batch (live-tunable)")
-    max_model_len: int | None = _setting(
+    device: str = setting("auto", "where the model runs (auto: cuda when present)", choices=DEVICE_CHOICES)
+    max_num_seqs: int = setting(256, "most sequences in one step's batch (live-tunable)")
+    max_model_len: int | None = setting(
         None, "longest prompt + output (live-tunable; default: the model's max_position_embeddings)")
-    max_num_batched_tokens: int = _setting(2048, "most tokens in one step (the chunked-prefill budget)")
-    block_size: int = _setting(16, "tokens per KV cache block", choices=BLOCK_SIZES)
-    kv_cache_memory: int | str | None = _setting(
+    max_num_batched_tokens: int = setting(2048, "most tokens in one step (the chunked-prefill budget)")
+    block_size: int = setting(16, "tokens per KV cache block", choices=BLOCK_SIZES)
+    kv_cache_memory: int | str | None = setting(
         None, "KV cache size in bytes (64Mi, 1G and plain integers work); CPU default 1Gi",
         exclusive="kv_cache_size")
-    gpu_memory_utilization: float = _setting(
+    gpu_memory_utilization: float = setting(
         0.9, "fraction of the GPU's memory for weights, activations and the KV cache",
         exclusive="kv_cache_size")
-    enable_prefix_caching: bool = _setting(True, "share the KV blocks of identical prompt prefixes")
-    attention_backend: str = _setting("auto", "paged attention kernels (auto: triton on CUDA, torch "
+    enable_prefix_caching: bool = setting(True, "share the KV blocks of identical prompt prefixes")
+    attention_backend: str = setting("auto", "paged attention kernels (auto: triton on CUDA, torch "
                                       "on CPU)", choices=ATTENTION_BACKENDS)
-    enforce_eager: bool = _setting(
+    enforce_eager: bool = setting(
         False, "run every step eagerly: no CUDA graphs (on CUDA, decode steps are otherwise "
                "replayed from graphs captured at start-up per batch-size bucket)")
-    seed: int = _setting(0, "torch's global seed, and the base of unseeded requests' seeds")
-    cpu_threads: int | None = _setting(
+    seed: int = setting(0, "torch's global seed, and the base of unseeded requests' seeds")
+    cpu_threads: int | None = setting(
         None, "torch's intra-op threads on the CPU (default: torch's, one per core); fewer leave "
               "cores to the HTTP server and its clients, as vLLM's CPU backend does")
     # Its own flags (--simulate, --simulate-*), from SimulationConfig's fields.

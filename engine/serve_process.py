@@ -1,8 +1,9 @@
-"""A `kvpilot serve` subprocess on a free local port, for benchmarks that need a server of
-their own (and its process id, to read its memory from /proc)."""
+"""A `kvpilot serve` subprocess on a free local port, for benchmarks and tests that need a
+server of their own (and its process id, to read its memory from /proc)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -33,13 +34,15 @@ def rss_bytes(pid: int) -> int | None:
 
 
 class ServeProcess:
-    """`kvpilot serve ARGS` on 127.0.0.1 and a free port, logging to `log_path`. Use as a
-    context manager: entering waits until /health answers 200, leaving sends SIGTERM (the
-    server drains) and kills it if it outlives STOP_DEADLINE_S."""
+    """`kvpilot serve ARGS` on 127.0.0.1 and a free port, logging to `log_path`, with `env`
+    added to this process's environment. Use as a context manager: entering launches it and
+    waits until /health answers 200, leaving sends SIGTERM (the server drains) and kills it
+    if it outlives STOP_DEADLINE_S."""
 
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.args = args
         self.log_path = Path(log_path)
+        self.env = env
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -50,13 +53,18 @@ class ServeProcess:
             raise RuntimeError("the server is not started")
         return self.proc.pid
 
-    def start(self, deadline_s: float = READY_DEADLINE_S) -> None:
-        import httpx
-
+    def launch(self) -> None:
+        """Starts the process without waiting for it (wait_ready does)."""
         cmd = [sys.executable, "-m", "kvpilot.engine.cli", "serve", "--host", "127.0.0.1",
                "--port", str(self.port), "--disable-uvicorn-access-log", *self.args]
+        env = {**os.environ, **self.env} if self.env else None
         with open(self.log_path, "wb") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, deadline_s: float = READY_DEADLINE_S) -> None:
+        """Polls /health until it answers 200; raises if the process exits or the deadline passes."""
+        import httpx
+
         end = time.monotonic() + deadline_s
         while time.monotonic() < end:
             if self.proc.poll() is not None:
@@ -67,16 +75,24 @@ class ServeProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)  # a poll interval under a deadline, not a wait for an outcome
-        self.stop()
         raise TimeoutError(f"kvpilot serve was not healthy after {deadline_s} s:\n{self.log_tail()}")
 
-    def stop(self) -> int | None:
+    def start(self, deadline_s: float = READY_DEADLINE_S) -> None:
+        self.launch()
+        try:
+            self.wait_ready(deadline_s)
+        except BaseException:
+            self.stop(signal.SIGKILL)
+            raise
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = STOP_DEADLINE_S) -> int | None:
+        """Sends `sig` and waits up to `timeout` s, then kills; the exit code (None: never started)."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(sig)
             try:
-                self.proc.wait(STOP_DEADLINE_S)
+                self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)

@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,43 +13,24 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.engine.serve_process import ServeProcess, free_port  # noqa: F401  (free_port: re-exported)
+
 START_DEADLINE_S = 180.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class ServerProcess(ServeProcess):
+    """A ServeProcess launched at construction (tests call wait_ready themselves), with the
+    server's /metrics read as a flat dict."""
 
-
-class ServerProcess:
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "kvpilot.engine.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(self.port), "--disable-uvicorn-access-log", *args]
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+        super().__init__(args, log_path, env)
+        self.launch()
 
     def wait_ready(self, deadline_s: float = START_DEADLINE_S) -> None:
-        deadline = time.monotonic() + deadline_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvpilot serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"kvpilot serve not healthy after {deadline_s} s:\n{self.log_tail()}")
+        super().wait_ready(deadline_s)
 
     def log_tail(self, n: int = 60) -> str:
-        self._log.flush()
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
+        return super().log_tail(n)
 
     def metrics(self) -> dict[str, float]:
         """Every sample as `name{label=value,...}` (labels sorted) -> value, plus bare names
@@ -66,17 +43,6 @@ class ServerProcess:
                 out[f"{s.name}{{{labels}}}"] = s.value
                 out[s.name] = out.get(s.name, 0.0) + s.value
         return out
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-        return self.proc.returncode
 
 
 def envelope(r: httpx.Response, status: int) -> dict:

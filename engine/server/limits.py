@@ -6,19 +6,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import _setting
+from ..config import setting
 from ..quantity import parse_bytes
 
 
 @dataclass
 class ServerLimits:
-    max_request_body_bytes: int | str = _setting(
+    max_request_body_bytes: int | str = setting(
         "8Mi", "largest request body (8Mi, 512k or bytes); a larger one gets 413, refused on its "
                "Content-Length before it is read, or as soon as a chunked body passes the limit")
-    header_read_timeout: float = _setting(
+    header_read_timeout: float = setting(
         10.0, "seconds a connection has to deliver a request's headers (from connecting, or "
               "from the previous response); then it is closed")
-    body_read_timeout: float = _setting(
+    body_read_timeout: float = setting(
         30.0, "seconds a request has to deliver its body once its headers are in; then 408")
 
     def __post_init__(self) -> None:
