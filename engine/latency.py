@@ -11,9 +11,20 @@ from typing import Protocol
 from .request import Request
 
 
+@dataclass(frozen=True)
+class GroupSummary:
+    """A whole user request (its n choices), reported with its last choice to finish."""
+
+    n: int
+    max_num_generation_tokens: int  # the longest choice's output
+
+
 @dataclass
 class FinishedRequest:
-    """What one finished sequence contributes to the request histograms."""
+    """What one finished sequence contributes to the request histograms. The phase times
+    follow vLLM's: prefill from first scheduled to first token, decode from first to last
+    token, inference from first scheduled to last token (preemptions included); None
+    where a phase never began (aborted while waiting)."""
 
     finish_reason: str
     num_prompt_tokens: int
@@ -21,18 +32,31 @@ class FinishedRequest:
     e2e_latency: float
     queue_time: float | None
     ttft: float | None
-    mean_time_per_output_token: float | None
+    mean_time_per_output_token: float | None  # None below 2 tokens (no gap to average)
     service_tier: str = "default"
+    prefill_time: float | None = None
+    decode_time: float | None = None
+    inference_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
+    max_tokens_param: int | None = None  # the client's max_tokens (None: not given)
+    group: GroupSummary | None = None  # set on the last choice of its request to finish
 
 
 class LatencySink(Protocol):
     def record_first_token(self, ttft: float) -> None: ...
     def record_inter_token(self, latency: float) -> None: ...
     def record_finished(self, req: FinishedRequest) -> None: ...
+    def record_iteration_tokens(self, num_tokens: int) -> None: ...
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    return end - start if start is not None and end is not None else None
 
 
 def finished_record(req: Request, reason: str) -> FinishedRequest:
-    """A finished sequence's histogram values, from its own timestamps."""
+    """A finished sequence's histogram values, from its own timestamps (and, for the last
+    choice of its request to finish, the request's n and longest output)."""
     t = req.times
     n = len(req.output_token_ids)
     tpot = None
@@ -47,4 +71,18 @@ def finished_record(req: Request, reason: str) -> FinishedRequest:
         e2e_latency=(end - t.arrival) if end is not None else 0.0, queue_time=queue,
         ttft=(t.first_token - t.arrival) if t.first_token is not None else None,
         mean_time_per_output_token=tpot, service_tier=req.service_tier,
+        prefill_time=_span(t.first_scheduled, t.first_token),
+        decode_time=_span(t.first_token, t.last_token),
+        inference_time=_span(t.first_scheduled, t.last_token),
+        num_preemptions=req.num_preemptions, num_cached_tokens=req.num_cached_tokens or 0,
+        max_tokens_param=req.sampling_params.max_tokens, group=_group_summary(req),
     )
+
+
+def _group_summary(req: Request) -> GroupSummary | None:
+    group = req.group
+    if group is None or group.summary_recorded or not group.finished:
+        return None
+    group.summary_recorded = True  # choices finishing in one step must not report it twice
+    return GroupSummary(n=len(group.children),
+                        max_num_generation_tokens=max(len(c.output_token_ids) for c in group.children))

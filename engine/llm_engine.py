@@ -75,6 +75,7 @@ class LLMEngine:
         self.latency_sink: LatencySink | None = None  # TTFT, gaps and finishes, as they happen
         self._left_work = False  # the last step ended with requests still unfinished
         self.prompt_tokens_total = 0
+        self.prompt_tokens_cached_total = 0  # of those, supplied by the prefix cache
         self.generation_tokens_total = 0
 
     def _check_max_model_len(self, max_model_len: int) -> None:
@@ -108,6 +109,11 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.scheduler.limits.max_model_len
+
+    @property
+    def max_model_len_ceiling(self) -> int:
+        """The largest max_model_len a live change can set (the model's positions, the cache)."""
+        return min(self.max_position_embeddings, self.kv_capacity_tokens)
 
     @property
     def max_num_seqs(self) -> int:
@@ -179,7 +185,9 @@ class LLMEngine:
         for req in group.children:
             self.scheduler.add_request(req)
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str, *, reason: str = "abort") -> None:
+        """Ends every unfinished choice of a request; `reason` is the metrics' finished_reason
+        ("error" when the engine failed on it)."""
         group = self.outputs.group(request_id)
         if group is None:
             return  # finished already, or never added
@@ -188,7 +196,7 @@ class LLMEngine:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
                 self.outputs.on_finished(req)
                 if self.latency_sink is not None:
-                    self.latency_sink.record_finished(finished_record(req, "abort"))
+                    self.latency_sink.record_finished(finished_record(req, reason))
         self.outputs.drop(group)
 
     def has_unfinished_requests(self) -> bool:
@@ -217,7 +225,7 @@ class LLMEngine:
         outputs = []
         for group in {req.group.request_id: req.group for req in failed}.values():
             reason = next(type(e).__name__ for r, e in failed.items() if r.group is group)
-            self.abort_request(group.request_id)
+            self.abort_request(group.request_id, reason="error")
             outputs.append(RequestOutput(
                 request_id=group.request_id, prompt=group.prompt,
                 prompt_token_ids=group.prompt_token_ids,
@@ -230,24 +238,33 @@ class LLMEngine:
         """Record each new token; a request whose output processing raises joins `failed`."""
         now = self.clock.now()
         ok = []
+        prefilled = 0  # prompt tokens computed for requests whose first token came this step
         for k, req in enumerate(progressed):
             try:
-                self._emit_one(req, logprobs[k] if logprobs is not None else None, now)
+                prefilled += self._emit_one(req, logprobs[k] if logprobs is not None else None, now)
                 ok.append(req)
             except Exception as exc:
                 log.exception("output processing failed for request %s", req.request_id)
                 failed[req] = exc
         self.generation_tokens_total += len(progressed)
+        if self.latency_sink is not None:  # vLLM's tokens per engine step
+            self.latency_sink.record_iteration_tokens(prefilled + len(progressed))
         if len(ok) < len(progressed):
             dropped = {req.group for req in failed}
             ok = [req for req in ok if req.group not in dropped]
         return self.outputs.collect(ok)
 
-    def _emit_one(self, req: Request, logprob, now: float) -> None:
+    def _emit_one(self, req: Request, logprob, now: float) -> int:
+        """Records one new token; returns the prompt tokens computed (not cached) for the
+        request when this is its first token, else 0."""
         sink = self.latency_sink
         times = req.times
+        prefilled = 0
         if len(req.output_token_ids) == 1:
+            cached = req.num_cached_tokens or 0
             self.prompt_tokens_total += req.num_prompt_tokens
+            self.prompt_tokens_cached_total += cached
+            prefilled = req.num_prompt_tokens - cached
             times.first_token = now
             if sink is not None and self.outputs.first_token_of_group(req):
                 sink.record_first_token(now - times.arrival)
@@ -262,6 +279,7 @@ class LLMEngine:
             self.outputs.on_finished(req)
             if sink is not None:
                 sink.record_finished(finished_record(req, req.status.value))
+        return prefilled
 
     def stats(self) -> EngineStats:
         prefix = self.kv_cache.prefix_stats
@@ -275,6 +293,7 @@ class LLMEngine:
             prefix_cache_queries_total=prefix.queries,
             prefix_cache_hits_total=prefix.hits,
             prompt_tokens_total=self.prompt_tokens_total,
+            prompt_tokens_cached_total=self.prompt_tokens_cached_total,
             generation_tokens_total=self.generation_tokens_total,
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,

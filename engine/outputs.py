@@ -73,3 +73,4 @@ class EngineStats:
     max_num_seqs: int
     max_model_len: int
     executor_counters: dict[str, float] = field(default_factory=dict)  # e.g. simulated step time
+    prompt_tokens_cached_total: int = 0  # of prompt_tokens_total, supplied by the prefix cache

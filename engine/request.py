@@ -112,6 +112,7 @@ class RequestGroup:
     prompt_token_ids: list[int]
     children: list[Request] = field(default_factory=list)
     first_token_seen: bool = False  # TTFT is the first token of any choice
+    summary_recorded: bool = False  # n and the longest output go to the metrics once
 
     @property
     def finished(self) -> bool:

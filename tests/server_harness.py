@@ -121,3 +121,18 @@ def shared_server(kind: str = "real") -> ServerProcess:
     _shared[kind] = proc
     atexit.register(proc.stop)
     return proc
+
+
+def fail_preparing_requests(monkeypatch, prefix: str) -> None:
+    """Makes building a step's inputs raise for every sequence whose id starts with `prefix`
+    (its token slice is read there), as a bug or a bad value in one request would."""
+    from kvpilot.engine.request import Request
+
+    real_token_at = Request.token_at
+
+    def token_at(self, start, end):
+        if self.request_id.startswith(prefix):
+            raise RuntimeError("injected failure while preparing the step")
+        return real_token_at(self, start, end)
+
+    monkeypatch.setattr(Request, "token_at", token_at)

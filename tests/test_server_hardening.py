@@ -19,7 +19,7 @@ from kvpilot.engine.sampling_params import (
     MAX_TEMPERATURE, MIN_REPETITION_PENALTY, SamplingParams,
 )
 from kvpilot.engine.server.protocol import MAX_N
-from server_harness import ServerProcess, envelope, free_port, simulated_args, wait_for
+from server_harness import ServerProcess, envelope, fail_preparing_requests, free_port, simulated_args, wait_for
 
 KEY = "hardening-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -430,16 +430,7 @@ def test_a_failure_preparing_one_request_fails_it_alone(in_process, monkeypatch)
     """Three streams are running when a fourth arrives whose preparation raises (its token
     slice, read while building the step's input tensors): the fourth gets an error in the
     envelope, streamed and not; the step goes on and the three finish every token."""
-    from kvpilot.engine.request import Request
-
-    real_token_at = Request.token_at
-
-    def token_at(self, start, end):
-        if self.request_id.startswith("poison"):
-            raise RuntimeError("injected failure while preparing the step")
-        return real_token_at(self, start, end)
-
-    monkeypatch.setattr(Request, "token_at", token_at)
+    fail_preparing_requests(monkeypatch, "poison")
     tokens: dict[int, int] = {}
     first_token = [threading.Event() for _ in range(3)]
     body = {"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True}

@@ -135,6 +135,7 @@ def test_a_request_carries_its_service_tier_to_the_latency_sink():
     class Sink:
         def record_first_token(self, ttft): pass
         def record_inter_token(self, latency): pass
+        def record_iteration_tokens(self, num_tokens): pass
         def record_finished(self, req): finished.append(req)
 
     engine.latency_sink = Sink()

@@ -11,6 +11,7 @@ from importlib import metadata
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_fastapi_instrumentator import Instrumentator
 
 from ..validation import token_ids
 from .async_engine import AsyncEngine
@@ -101,7 +102,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, tuning_file: str | 
     app.state.kvpilot = state
     install_error_handlers(app)
     app.add_middleware(BodyGuard, limits=settings.limits)
-    app.add_middleware(EdgeMiddleware, api_key=settings.api_key)  # outermost: runs first
+    app.add_middleware(EdgeMiddleware, api_key=settings.api_key)
+    # vLLM's HTTP metrics (http_requests_total, http_request_duration_seconds, ...), from the
+    # same library and with the same exclusions as vLLM's server; outermost, so refusals count.
+    Instrumentator(excluded_handlers=["/metrics", "/health", "/load", "/ping", "/version", "/server_info"],
+                   registry=engine.metrics.registry).instrument(app)
     install_openapi(app, api_key=settings.api_key is not None)
 
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))

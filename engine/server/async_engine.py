@@ -49,6 +49,12 @@ class AsyncEngine:
         self.metrics.record_capacity(
             self.engine.kv_cache_bytes, self.engine.kv_bytes_per_token, self.engine.weight_bytes
         )
+        config = self.engine.config
+        self.metrics.record_cache_config(  # vLLM's CacheConfig key names
+            block_size=config.block_size, cache_dtype="auto", enable_prefix_caching=config.enable_prefix_caching,
+            gpu_memory_utilization=config.gpu_memory_utilization, kv_cache_memory_bytes=self.engine.kv_cache_bytes,
+            num_gpu_blocks=self.engine.kv_cache.num_blocks, num_cpu_blocks=None,
+            kv_cache_size_tokens=self.engine.kv_capacity_tokens)
         # From here on only the engine thread runs the model (see cpu_threads.py).
         self.engine.runner.release_loader_threads()
         self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)

@@ -54,7 +54,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     engine = LLMEngine(config)
     name = config.model_name
-    metrics = ServerMetrics(name, engine.max_model_len)
+    metrics = ServerMetrics(name, engine.max_model_len_ceiling)
     if config.simulate is not None:
         metrics.record_simulation(engine.runner.accelerator.name, engine.runner.model.name)
     settings = ServerSettings(

@@ -7,13 +7,19 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from ..latency import FinishedRequest
-from ..metric_buckets import (ENGINE_INDEX, FINISH_REASONS, REQUEST_LATENCY_BUCKETS,  # noqa: F401
-                              SERVICE_TIERS, SIMULATED_COUNTERS, TIER_TPOT_METRIC, TOKEN_LATENCY_BUCKETS,
-                              TTFT_BUCKETS, buckets_1_2_5)
+from ..metric_buckets import (CACHE_HIT_SOURCES, ENGINE_INDEX, FINISH_REASONS,  # noqa: F401
+                              PROMPT_TOKEN_SOURCES, REQUEST_LATENCY_BUCKETS, SERVICE_TIERS, SIMULATED_COUNTERS,
+                              SLEEP_STATES, TIER_TPOT_METRIC, TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS, WAITING_REASONS,
+                              buckets_1_2_5)
 from ..outputs import EngineStats
+from .request_metrics import RequestHistograms
 
 
 class ServerMetrics:
+    """`max_model_len` is the largest the server may ever serve (a live change can raise it
+    up to the engine's ceiling): the token-count buckets are fixed at start, so they reach
+    that far, or long requests after a raise would all land in +Inf."""
+
     def __init__(self, model_name: str, max_model_len: int) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
@@ -33,6 +39,16 @@ class ServerMetrics:
 
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        by_reason = Gauge("vllm:num_requests_waiting_by_reason",
+                          "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
+                          "scheduling capacity; 'deferred' = deferred by transient constraints. Sum of all "
+                          "reasons equals vllm:num_requests_waiting.", labels + ["reason"], registry=r)
+        self.waiting_by_reason = {reason: by_reason.labels(*values, reason) for reason in WAITING_REASONS}
+        sleep = Gauge("vllm:engine_sleep_state", "Engine sleep state; awake = 0 means engine is sleeping; "
+                      "awake = 1 means engine is awake; weights_offloaded = 1 means sleep level 1; "
+                      "discard_all = 1 means sleep level 2.", labels + ["sleep_state"], registry=r)
+        for state in SLEEP_STATES:  # kvpilot never sleeps
+            sleep.labels(*values, state).set(1 if state == "awake" else 0)
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.preemptions = counter("vllm:num_preemptions",
                                    "Cumulative number of preemption from the engine.")
@@ -41,6 +57,17 @@ class ServerMetrics:
         self.prefix_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        by_source = Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                            labels + ["source"], registry=r)
+        self.prompt_by_source = {s: by_source.labels(*values, s) for s in PROMPT_TOKEN_SOURCES}
+        self.prompt_cached = counter("vllm:prompt_tokens_cached",
+                                     "Number of cached prompt tokens (local + external).")
+        cached_by_source = Counter(
+            "vllm:prompt_tokens_cached_by_source", "Prefix-cache hit tokens by the cache tier that supplied "
+            "them: device (local HBM), host (offloaded to DRAM), disk, p2p (transferred from another "
+            "instance) or external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + "
+            "vllm:external_prefix_cache_hits.", labels + ["source"], registry=r)
+        self.cached_by_source = {s: cached_by_source.labels(*values, s) for s in CACHE_HIT_SOURCES}
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           labels + ["finished_reason"], registry=r)
@@ -58,6 +85,7 @@ class ServerMetrics:
                                "Histogram of time spent in WAITING phase for request.",
                                REQUEST_LATENCY_BUCKETS)
         token_buckets = buckets_1_2_5(max_model_len)
+        self.requests = RequestHistograms(r, labels, values, token_buckets)
         self.req_prompt_tokens = histogram("vllm:request_prompt_tokens",
                                            "Number of prefill tokens processed.", token_buckets)
         self.req_generation_tokens = histogram("vllm:request_generation_tokens",
@@ -101,6 +129,13 @@ class ServerMetrics:
             self._executor[key] = Counter(f"kvpilot:{key}", doc, labels, registry=self.registry).labels(
                 self.model_name)
 
+    def record_cache_config(self, **config: object) -> None:
+        """vllm:cache_config_info: a gauge at 1 whose labels are the cache settings (vLLM's
+        key names), read by the stock dashboards' cache panel."""
+        info = {key: str(value) for key, value in config.items()}
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+              [*info, "engine"], registry=self.registry).labels(*info.values(), ENGINE_INDEX).set(1)
+
     def record_capacity(self, kv_cache_bytes: int, kv_bytes_per_token: int, weight_bytes: int) -> None:
         self.kv_cache_bytes.set(kv_cache_bytes)
         self.kv_bytes_per_token.set(kv_bytes_per_token)
@@ -110,6 +145,7 @@ class ServerMetrics:
         """Gauges take the current value; counters grow by the change since the last call."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
+        self.waiting_by_reason["capacity"].set(stats.num_waiting)  # nothing here is deferred
         self.kv_usage.set(stats.kv_cache_usage)
         self.max_num_seqs.set(stats.max_num_seqs)
         self.max_model_len.set(stats.max_model_len)
@@ -119,11 +155,18 @@ class ServerMetrics:
             (self.prefix_queries, "prefix_cache_queries_total"),
             (self.prefix_hits, "prefix_cache_hits_total"),
             (self.prompt_tokens, "prompt_tokens_total"),
+            (self.prompt_cached, "prompt_tokens_cached_total"),
+            (self.prompt_by_source["local_cache_hit"], "prompt_tokens_cached_total"),
+            (self.cached_by_source["device"], "prefix_cache_hits_total"),
             (self.generation_tokens, "generation_tokens_total"),
         ):
             delta = getattr(stats, field) - (getattr(last, field) if last else 0)
             if delta > 0:
                 counter.inc(delta)
+        computed = stats.prompt_tokens_total - stats.prompt_tokens_cached_total
+        computed_before = (last.prompt_tokens_total - last.prompt_tokens_cached_total) if last else 0
+        if computed > computed_before:
+            self.prompt_by_source["local_compute"].inc(computed - computed_before)
         for key, counter in self._executor.items():
             delta = stats.executor_counters.get(key, 0.0) - (last.executor_counters.get(key, 0.0) if last else 0.0)
             if delta > 0:
@@ -136,16 +179,23 @@ class ServerMetrics:
     def record_inter_token(self, latency: float) -> None:
         self.itl.observe(max(latency, 0.0))
 
+    def record_iteration_tokens(self, num_tokens: int) -> None:
+        self.requests.record_iteration_tokens(num_tokens)
+
     def record_finished(self, req: FinishedRequest) -> None:
         self.success[req.finish_reason if req.finish_reason in self.success else "stop"].inc()
+        self.requests.record_finished(req)
         self.e2e.observe(max(req.e2e_latency, 0.0))
         if req.queue_time is not None:
             self.queue.observe(max(req.queue_time, 0.0))
         self.req_prompt_tokens.observe(req.num_prompt_tokens)
         self.req_generation_tokens.observe(req.num_generation_tokens)
-        if req.mean_time_per_output_token is not None:
-            self.tpot.observe(max(req.mean_time_per_output_token, 0.0))
-            self.tier_tpot[req.service_tier].observe(max(req.mean_time_per_output_token, 0.0))
+        # vLLM records a TPOT of 0 for a request with fewer than two tokens (no gap to average);
+        # kvpilot's per-tier series, which the autotuner's objective reads, leaves them out.
+        tpot = req.mean_time_per_output_token
+        self.tpot.observe(max(tpot, 0.0) if tpot is not None else 0.0)
+        if tpot is not None:
+            self.tier_tpot[req.service_tier].observe(max(tpot, 0.0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

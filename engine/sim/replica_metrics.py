@@ -9,8 +9,10 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from ..latency import FinishedRequest
-from ..metric_buckets import (ENGINE_INDEX, FINISH_REASONS, REQUEST_LATENCY_BUCKETS, SERVICE_TIERS,
-                              SIMULATED_COUNTERS, TIER_TPOT_METRIC, TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS,
+from ..metric_buckets import (CACHE_HIT_SOURCES, ENGINE_INDEX, FINISH_REASONS, ITERATION_TOKENS_BUCKETS,
+                              PROMPT_TOKEN_SOURCES, REQUEST_LATENCY_BUCKETS, REQUEST_NUM_PREEMPTIONS_BUCKETS,
+                              REQUEST_PARAMS_N_BUCKETS, SERVICE_TIERS, SIMULATED_COUNTERS, SLEEP_STATES,
+                              TIER_TPOT_METRIC, TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS, WAITING_REASONS,
                               buckets_1_2_5)
 from ..outputs import EngineStats
 from .log_histogram import LogHistogram
@@ -60,7 +62,9 @@ class ReplicaMetrics:
     counters: dict[str, float] = field(default_factory=lambda: {
         "vllm:num_preemptions_total": 0.0, "vllm:prefix_cache_queries_total": 0.0,
         "vllm:prefix_cache_hits_total": 0.0, "vllm:prompt_tokens_total": 0.0,
-        "vllm:generation_tokens_total": 0.0})
+        "vllm:generation_tokens_total": 0.0, "vllm:prompt_tokens_cached_total": 0.0})
+    prompt_by_source: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PROMPT_TOKEN_SOURCES, 0.0))
+    cached_by_source: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CACHE_HIT_SOURCES, 0.0))
     success: dict[str, float] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0.0))
     capacity: dict[str, float] = field(default_factory=dict)
     length_refusals: float = 0.0
@@ -77,6 +81,15 @@ class ReplicaMetrics:
             "vllm:request_queue_time_seconds": Histogram(REQUEST_LATENCY_BUCKETS),
             "vllm:request_prompt_tokens": Histogram(tokens),
             "vllm:request_generation_tokens": Histogram(tokens),
+            "vllm:request_prefill_time_seconds": Histogram(REQUEST_LATENCY_BUCKETS),
+            "vllm:request_decode_time_seconds": Histogram(REQUEST_LATENCY_BUCKETS),
+            "vllm:request_inference_time_seconds": Histogram(REQUEST_LATENCY_BUCKETS),
+            "vllm:request_num_preemptions": Histogram(REQUEST_NUM_PREEMPTIONS_BUCKETS),
+            "vllm:request_prefill_kv_computed_tokens": Histogram(tokens),
+            "vllm:request_params_max_tokens": Histogram(tokens),
+            "vllm:request_params_n": Histogram(REQUEST_PARAMS_N_BUCKETS),
+            "vllm:request_max_num_generation_tokens": Histogram(tokens),
+            "vllm:iteration_tokens_total": Histogram(ITERATION_TOKENS_BUCKETS),
         }
         self.tier_tpot = {tier: Histogram(TOKEN_LATENCY_BUCKETS) for tier in SERVICE_TIERS}
         self._ttft = self.histograms["vllm:time_to_first_token_seconds"]
@@ -103,6 +116,10 @@ class ReplicaMetrics:
         c["vllm:prefix_cache_hits_total"] = s.prefix_cache_hits_total
         c["vllm:prompt_tokens_total"] = s.prompt_tokens_total
         c["vllm:generation_tokens_total"] = s.generation_tokens_total
+        c["vllm:prompt_tokens_cached_total"] = s.prompt_tokens_cached_total
+        self.prompt_by_source["local_compute"] = s.prompt_tokens_total - s.prompt_tokens_cached_total
+        self.prompt_by_source["local_cache_hit"] = s.prompt_tokens_cached_total
+        self.cached_by_source["device"] = s.prefix_cache_hits_total
         self.executor = s.executor_counters
 
     def record_first_token(self, ttft: float) -> None:
@@ -122,17 +139,33 @@ class ReplicaMetrics:
             self.itl_fine.observe(self._gap, self._gap_repeats)
             self._gap_repeats = 0
 
+    def record_iteration_tokens(self, num_tokens: int) -> None:
+        self.histograms["vllm:iteration_tokens_total"].observe(num_tokens)
+
     def record_finished(self, req: FinishedRequest) -> None:
+        """As ServerMetrics.record_finished (its request_metrics.py says what each one holds)."""
         self.success[req.finish_reason if req.finish_reason in self.success else "stop"] += 1
         h = self.histograms
+        for name, seconds in (("prefill", req.prefill_time), ("decode", req.decode_time),
+                              ("inference", req.inference_time)):
+            if seconds is not None:
+                h[f"vllm:request_{name}_time_seconds"].observe(max(seconds, 0.0))
+        h["vllm:request_num_preemptions"].observe(req.num_preemptions)
+        h["vllm:request_prefill_kv_computed_tokens"].observe(req.num_prompt_tokens - max(req.num_cached_tokens, 0))
+        if req.max_tokens_param:
+            h["vllm:request_params_max_tokens"].observe(req.max_tokens_param)
+        if req.group is not None:
+            h["vllm:request_params_n"].observe(req.group.n)
+            h["vllm:request_max_num_generation_tokens"].observe(req.group.max_num_generation_tokens)
         h["vllm:e2e_request_latency_seconds"].observe(max(req.e2e_latency, 0.0))
         if req.queue_time is not None:
             h["vllm:request_queue_time_seconds"].observe(max(req.queue_time, 0.0))
         h["vllm:request_prompt_tokens"].observe(req.num_prompt_tokens)
         h["vllm:request_generation_tokens"].observe(req.num_generation_tokens)
-        if req.mean_time_per_output_token is not None:
-            h["vllm:request_time_per_output_token_seconds"].observe(max(req.mean_time_per_output_token, 0.0))
-            self.tier_tpot[req.service_tier].observe(max(req.mean_time_per_output_token, 0.0))
+        tpot = req.mean_time_per_output_token  # vLLM's 0 below two tokens; the tier series skip it
+        h["vllm:request_time_per_output_token_seconds"].observe(max(tpot, 0.0) if tpot is not None else 0.0)
+        if tpot is not None:
+            self.tier_tpot[req.service_tier].observe(max(tpot, 0.0))
 
     # --- a scrape -------------------------------------------------------------------------
     def samples(self) -> list[Sample]:
@@ -142,12 +175,20 @@ class ReplicaMetrics:
         own = {"model_name": self.model_name}
         out = [Sample("vllm:num_requests_running", base, self.running),
                Sample("vllm:num_requests_waiting", base, self.waiting),
+               *[Sample("vllm:num_requests_waiting_by_reason", {**base, "reason": r},
+                        self.waiting if r == "capacity" else 0.0) for r in WAITING_REASONS],
+               *[Sample("vllm:engine_sleep_state", {**base, "sleep_state": st}, 1.0 if st == "awake" else 0.0)
+                 for st in SLEEP_STATES],
                Sample("vllm:kv_cache_usage_perc", base, self.kv_usage),
                Sample("kvpilot:max_num_seqs", own, self.max_num_seqs),
                Sample("kvpilot:max_model_len", own, self.max_model_len_live)]
         out += [Sample(name, base, v) for name, v in self.counters.items()]
         out += [Sample("vllm:request_success_total", {**base, "finished_reason": r}, v)
                 for r, v in self.success.items()]
+        out += [Sample("vllm:prompt_tokens_by_source_total", {**base, "source": k}, v)
+                for k, v in self.prompt_by_source.items()]
+        out += [Sample("vllm:prompt_tokens_cached_by_source_total", {**base, "source": k}, v)
+                for k, v in self.cached_by_source.items()]
         out += [Sample(name, own, float(v)) for name, v in self.capacity.items()]
         out.append(Sample("kvpilot:request_length_refusals_total", own, self.length_refusals))
         if self.simulation is not None:
