@@ -45,7 +45,7 @@ def test_helm_lint(helm):
 
 def test_default_render(helm):
     kinds = by_kind(render(helm))
-    assert sorted(kinds) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    assert sorted(kinds) == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "Service", "ServiceAccount"]
     (dep,) = kinds["Deployment"]
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]

@@ -48,7 +48,12 @@ def ensure_node_binaries() -> dict[str, Path]:
 
 def ensure_prometheus() -> Path:
     """The prometheus executable (with Kubernetes service discovery)."""
-    return _ensure("prometheus", ("prometheus",)) / "prometheus"
+    return _ensure("prometheus", ("prometheus", "promtool")) / "prometheus"
+
+
+def ensure_promtool() -> Path:
+    """promtool from the same Prometheus release (checks and unit-tests alerting rules)."""
+    return _ensure("prometheus", ("prometheus", "promtool")) / "promtool"
 
 
 def ensure_keda() -> Path:

@@ -8,10 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")"
 source ../gobuild.sh
 VERSION=$(cat VERSION)
-gobuild_ready prometheus "$VERSION" prometheus && exit 0
+gobuild_ready prometheus "$VERSION" "prometheus promtool" && exit 0
 # Prometheus 3.X.Y is published as the Go module version v0.3XX.Y.
 minor=${VERSION#v0.3}; release="3.$((10#${minor%%.*})).${VERSION##*.}"
 v=github.com/prometheus/common/version
 ldflags="-s -w -X $v.Version=$release -X $v.Branch=release -X $v.BuildUser=kvpilot"
-gobuild prometheus "$VERSION" "prometheus" "remove_all_sd,enable_kubernetes_sd" "$ldflags" \
-  github.com/prometheus/prometheus/cmd/prometheus
+# promtool (same module, same release) checks and unit-tests the chart's alerting rules.
+gobuild prometheus "$VERSION" "prometheus promtool" "remove_all_sd,enable_kubernetes_sd" "$ldflags" \
+  github.com/prometheus/prometheus/cmd/prometheus github.com/prometheus/prometheus/cmd/promtool
