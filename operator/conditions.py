@@ -1,6 +1,8 @@
 """Pure status computation: conditions (Ready, Progressing, Degraded) from the
 owned Deployment's status and the problems the reconcile found, with
-lastTransitionTime kept while a condition's status does not change."""
+lastTransitionTime kept while a condition's status does not change. Reconciling and
+Stalled restate Progressing and Degraded under the names kstatus reads (Flux's and
+kpt's health checks): abnormal-true, so a healthy object has both False."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -87,12 +89,16 @@ def compute_conditions(prev: list[Condition], rollout: Rollout, problems: list[P
         ready = (False, degraded[1] if degraded[0] else "Pending", f"{r.ready}/{r.desired} replicas ready")
     if ready_note:
         ready = (*ready[:2], f"{ready[2]} ({ready_note})")
+    # kstatus reads Reconciling before Stalled: a stuck object is not reconciling.
+    reconciling = (False, "Stalled", degraded[2]) if degraded[0] else progressing
     return [_set(prev, "Ready", *ready, generation, now),
             _set(prev, "Progressing", *progressing, generation, now),
-            _set(prev, "Degraded", *degraded, generation, now)]
+            _set(prev, "Degraded", *degraded, generation, now),
+            _set(prev, "Reconciling", *reconciling, generation, now),
+            _set(prev, "Stalled", *degraded, generation, now)]
 
 
-CORE_CONDITIONS = ("Ready", "Progressing", "Degraded")
+CORE_CONDITIONS = ("Ready", "Progressing", "Degraded", "Reconciling", "Stalled")
 
 
 def merge_extra_conditions(prev: list[Condition], extra: list[Condition] | None,

@@ -10,7 +10,7 @@ from pydantic import ConfigDict, Field
 
 from .spec import Model
 
-ConditionType = Literal["Ready", "Progressing", "Degraded"]
+ConditionType = Literal["Ready", "Progressing", "Degraded", "Reconciling", "Stalled"]
 # PreemptionBound | SchedulerBound | KVCacheBound | LengthBound | TPOTBound | HardwareBound | Healthy |
 # Idle | NoData. A plain string in the schema: a new diagnosis from the autotuner must never
 # make the API server refuse the whole status write.

@@ -11,18 +11,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_chart import CHART, ROOT, by_kind, helm, render  # noqa: F401  (helm: a fixture)
+from go_tools import built_tool
+from test_chart import by_kind, helm, render  # noqa: F401  (helm: a fixture)
 
 TESTS = Path(__file__).resolve().parent / "alert_rules_test.yaml"
 
 
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    if shutil.which("go") is None:
-        pytest.skip("Go is not installed: cannot build promtool from its module")
-    proc = subprocess.run([str(ROOT / "e2e" / "prometheus" / "build.sh")], stdout=subprocess.PIPE, text=True)
-    assert proc.returncode == 0, "building promtool failed (see the output above)"
-    return str(Path(proc.stdout.strip().splitlines()[-1]) / "promtool")
+    return built_tool("prometheus/build.sh", "promtool")
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot.operator.conditions import Problem, Rollout, status_from
-from kvpilot.operator.status import LLMDeploymentStatus
+from status_examples import MISSING_SECRET, READY, ROLLING, STUCK, llmd, status
 
 lua51 = pytest.importorskip("lupa.lua51")
 SCRIPT = (Path(__file__).resolve().parents[1] / "docs" / "argocd" / "health.lua").read_text()
@@ -29,23 +28,6 @@ def health(obj: dict) -> tuple[str, str]:
     return hs["status"], hs["message"]
 
 
-def llmd(status: LLMDeploymentStatus | None, generation: int = 3) -> dict:
-    obj = {"apiVersion": "serving.kvpilot.dev/v1alpha1", "kind": "LLMDeployment",
-           "metadata": {"name": "chat", "namespace": "ml", "generation": generation}, "spec": {}}
-    if status is not None:
-        obj["status"] = status.dump()
-    return obj
-
-
-def status(rollout: Rollout, problems=(), generation: int = 3) -> LLMDeploymentStatus:
-    return status_from(LLMDeploymentStatus(), rollout, list(problems), generation)
-
-
-READY = Rollout(desired=2, replicas=2, ready=2, updated=2, available=2, up_to_date=True, deadline_exceeded=False)
-ROLLING = Rollout(desired=2, replicas=2, ready=1, updated=1, available=1, up_to_date=True, deadline_exceeded=False)
-STUCK = Rollout(desired=2, replicas=2, ready=0, updated=1, available=0, up_to_date=True, deadline_exceeded=True)
-
-
 def test_no_status_yet_is_progressing():
     assert health(llmd(None)) == ("Progressing", "waiting for the kvpilot operator to observe generation 3")
 
@@ -64,7 +46,7 @@ def test_a_rollout_in_flight_is_progressing():
 
 
 @pytest.mark.parametrize("rollout,problems,reason", [
-    (READY, [Problem("SecretNotFound", "Secret k (spec.engine.apiKeySecretRef) does not exist")], "SecretNotFound"),
+    (READY, [MISSING_SECRET], "SecretNotFound"),
     (STUCK, [], "ProgressDeadlineExceeded"),
 ])
 def test_degraded_names_the_reason(rollout, problems, reason):

@@ -83,7 +83,8 @@ def test_reconcile_applies_owned_objects_and_writes_status():
     assert st["observedGeneration"] == 3 and st["endpoint"] == "http://tiny.demo.svc:8000"
     assert st["effective"] == {"maxNumSeqs": 64, "maxModelLen": 2048, "replicas": 1}
     assert st["selector"].startswith("app.kubernetes.io/name=kvpilot-engine")
-    assert result.ready and {c["type"] for c in st["conditions"]} == {"Ready", "Progressing", "Degraded"}
+    assert result.ready and {c["type"] for c in st["conditions"]} == {"Ready", "Progressing", "Degraded",
+                                                                             "Reconciling", "Stalled"}
 
 
 def test_reconcile_builds_a_pdb_for_several_replicas():
