@@ -16,25 +16,11 @@ from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.metrics import ServerMetrics
+from kvpilot.engine.vllm_series import not_exported_reason
 from server_harness import fail_preparing_requests
 
 DASHBOARDS = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "vllm-dashboards"
 
-# Series of the stock dashboards that belong to features kvpilot does not have (yet), with why.
-NOT_KVPILOTS = {
-    "vllm:spec_decode_": "speculative decoding (issue 18)",
-    "vllm:nixl_": "NIXL KV transfer between instances (disaggregated prefill)",
-    "vllm:kv_offload_": "KV offload to CPU memory",
-    "vllm:simple_kv_offload_": "KV offload to CPU memory",
-    "vllm:external_prefix_cache_": "an external KV connector (LMCache)",
-    "vllm:num_requests_kv_fetch_by_stage": "an external KV connector (async KV loads)",
-    "vllm:mm_cache_": "multimodal inputs",
-    "vllm:lora_requests_info": "LoRA adapters",
-    "vllm:kv_block_": "vLLM's opt-in KV residency metrics (--kv-cache-metrics)",
-    "vllm:sleep_mode_operation_duration_seconds": "sleep mode (kvpilot exports the state: always awake)",
-    "vllm:rl_weight_update_operation_duration_seconds": "RL weight updates",
-    "vllm:estimated_": "vLLM's opt-in per-GPU FLOP/byte estimates (--enable-mfu-metrics)",
-}
 SUFFIXES = ("_bucket", "_sum", "_count", "_total")
 
 
@@ -162,7 +148,7 @@ def test_every_dashboard_series_for_kvpilots_features_is_exported():
     dashboards query exists on /metrics, except those of features kvpilot lacks (named)."""
     from test_server_hardening import InProcessServer
 
-    wanted = {n for n in dashboard_metrics() if not any(n.startswith(p) for p in NOT_KVPILOTS)}
+    wanted = {n for n in dashboard_metrics() if not_exported_reason(n) is None}
     with InProcessServer(model="builtin:tiny", kv_cache_memory="16Mi", max_model_len=512,
                          max_num_seqs=4) as srv:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
