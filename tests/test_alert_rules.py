@@ -34,7 +34,7 @@ def rules_dir(helm, tmp_path_factory) -> Path:  # noqa: F811
 def test_promtool_checks_the_rules(promtool, rules_dir):
     proc = subprocess.run([promtool, "check", "rules", str(rules_dir / "rules.yml")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "SUCCESS: 6 rules found" in proc.stdout + proc.stderr
+    assert "SUCCESS: 7 rules found" in proc.stdout + proc.stderr
 
 
 def test_promtool_unit_tests_every_alert(promtool, rules_dir):
