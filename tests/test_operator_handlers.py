@@ -22,6 +22,9 @@ class FakeKube:
     def get(self, *a):
         return None
 
+    def list_pods(self, ns, selector):
+        return list(getattr(self, "pods", []))
+
     def delete(self, *a):
         return False
 
