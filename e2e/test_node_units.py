@@ -127,3 +127,21 @@ def test_the_go_parts_pass_their_own_tests(module):
     r = subprocess.run(["go", "test", "-count=1", "./..."], cwd=E2E / module, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_cgroup_vanishing_during_the_sweep_is_skipped(tmp_path, monkeypatch):
+    """The kubelet removes a pod's cgroup as its last task exits, which can be while stop()
+    walks the tree: that branch is skipped, the rest still listed."""
+    from localcluster import cgroups
+    (tmp_path / "kubepods" / "pod-a" / "c1").mkdir(parents=True)
+    (tmp_path / "kubepods" / "pod-b").mkdir()
+    gone = tmp_path / "kubepods" / "pod-a"
+    real = Path.iterdir
+
+    def iterdir(self):
+        if self == gone:
+            raise FileNotFoundError(self)
+        return real(self)
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    found = sorted(str(p.relative_to(tmp_path)) for p in cgroups._subdirs(tmp_path))
+    assert found == ["kubepods", "kubepods/pod-a", "kubepods/pod-b"]

@@ -89,6 +89,11 @@ class Kube:
             it.setdefault("kind", "LLMDeployment")
         return items
 
+    def list_pods(self, namespace: str, selector: str) -> list[dict]:
+        """The pods matching a label selector (the engine pods of one LLMDeployment)."""
+        return self._call("GET", f"/api/v1/namespaces/{namespace}/pods",
+                          query=[("labelSelector", selector)]).get("items") or []
+
     def patch_scale(self, namespace: str, name: str, replicas: int) -> dict:
         """spec.replicas through the LLMDeployment's scale subresource, as an HPA would."""
         path = object_path(f"{GROUP}/{VERSION}", "LLMDeployment", namespace, name) + "/scale"

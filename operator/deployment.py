@@ -143,6 +143,9 @@ def build_pod_template(owner: Owner, spec: LLMDeploymentSpec) -> dict:
         # the kubelet starts stopping it; serving a few seconds more before SIGTERM means no
         # request is sent to a server that already refuses new work.
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
+        # A crash leaves the log's tail in the termination message, which Degraded quotes
+        # (pod_health.py): the reason an engine will not start, without kubectl logs.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     sched = spec.scheduling
     pod_spec: dict = {

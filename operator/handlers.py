@@ -16,6 +16,7 @@ from .apply import Conflict, Kube
 from .objects import INSTANCE_LABEL, MANAGED_BY
 from .reconcile import load_autotune_hook, reconcile, write_invalid
 from .spec import GROUP, KIND, PLURAL, VERSION, InvalidSpec
+from .status import LLMDeploymentStatus
 
 log = logging.getLogger(__name__)
 RESYNC_SECONDS = float(os.environ.get("KVPILOT_RESYNC_SECONDS", "30"))  # the CLI sets it
@@ -118,11 +119,24 @@ def _pass(body, trigger: str, *, retry: bool) -> None:
             return
         finally:
             metrics.DURATION.observe(time.monotonic() - start)
-    for p in result.problems:
+    for p in problems_to_announce(current, result):
         kopf.warn(body, reason=p.reason, message=p.message)
     metrics.RECONCILES.labels(trigger, "ready" if result.ready else "progressing").inc()
     if retry and not result.ready and not result.problems:
         raise kopf.TemporaryError("waiting for pods to become ready", delay=NOT_READY_DELAY)
+
+
+def problems_to_announce(previous: dict, result) -> list:
+    """The problems to post as Warning Events: all of them when Degraded's message changed
+    since the status the pass started from (a new problem, or a crash loop's next restart),
+    none while it stays the same (a resync every second must not post an Event a second)."""
+    if not result.problems:
+        return []
+    before = LLMDeploymentStatus.model_validate(dict(previous.get("status") or {})).condition("Degraded")
+    after = result.status.condition("Degraded")
+    if before is not None and after is not None and (before.status, before.message) == (after.status, after.message):
+        return []
+    return list(result.problems)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)

@@ -1,6 +1,6 @@
 """One level-based reconcile pass of an LLMDeployment, free of kopf: parse and
-check the spec, look for missing prerequisites, let the autotuner (if any)
-propose settings, apply the owned objects, and write the status."""
+check the spec, look for missing prerequisites and failing pods, let the autotuner
+(if any) propose settings, write the status, and apply the owned objects from it."""
 from __future__ import annotations
 
 import importlib
@@ -10,11 +10,13 @@ from typing import Callable, Optional
 
 from pydantic import ValidationError
 
+from . import faults
 from .apply import Kube
 from .conditions import Problem, Rollout, status_from
 from .deployment import build_deployment, pvc_claim
 from .objects import (Owner, build_configmap, build_pdb, build_service, effective_settings, endpoint_url,
                       selector_string)
+from .pod_health import pod_problems
 from .simulate import simulated_summary
 from .spec import GROUP, KIND, VERSION, InvalidSpec, LLMDeploymentSpec, validate_spec
 from .status import AutotuneStatus, Condition, Effective, LLMDeploymentStatus
@@ -138,7 +140,14 @@ def run_autotune(hook: AutotuneHook | None, owner: Owner, spec: LLMDeploymentSpe
 
 
 def reconcile(kube: Kube, body, hook: AutotuneHook | None = None) -> Result:
-    """Raises InvalidSpec for a spec that cannot work; apply.Conflict to retry later."""
+    """Raises InvalidSpec for a spec that cannot work; apply.Conflict to retry later.
+
+    Crash-safe order: the status carrying the autotuner's decision (status.autotune, the
+    history's only home) and the settings it chose (status.effective) is written first;
+    the owned objects are then applied from status.effective. A crash between the two
+    leaves a status whose settings the next pass applies again (idempotent server-side
+    apply); the decision is neither lost nor made twice, since the next pass's autotuner
+    starts from the recorded decision and settings."""
     owner = Owner.from_body(body)
     generation = body["metadata"].get("generation")
     prev = LLMDeploymentStatus.model_validate(dict(body.get("status") or {}))
@@ -146,6 +155,44 @@ def reconcile(kube: Kube, body, hook: AutotuneHook | None = None) -> Result:
     problems = find_problems(kube, owner.namespace, spec)
     tuned, report, autotune_conditions = run_autotune(hook, owner, spec, prev, kube)
     effective = effective_settings(spec, tuned)
+    problems += pod_problems(kube.list_pods(owner.namespace, selector_string(owner)))
+    snapshot = report.snapshot if report is not None else None
+    kv = None if snapshot is None or snapshot.kv_usage_mean is None else round(100 * snapshot.kv_usage_mean)
+    sim = spec.engine.simulate
+    ready_note = f"simulated {sim.accelerator}" if sim is not None else None
+    before = kube.get("apps/v1", "Deployment", owner.namespace, owner.name)
+    # simulated=None clears a previous value: the status apply then leaves the field out.
+    # observedGeneration moves only with the second write: until the objects are applied,
+    # the running pods are still the previous generation's.
+    decided = status_from(prev, Rollout.from_deployment(before, effective.replicas), problems,
+                          prev.observed_generation,
+                          effective=effective, autotune=report, endpoint=endpoint_url(owner, spec),
+                          selector=selector_string(owner), kv_cache_usage_percent=kv,
+                          simulated=simulated_summary(spec), extra_conditions=autotune_conditions,
+                          ready_note=ready_note)
+    write_status(kube, owner, decided)
+    if new_decision(prev, decided):
+        faults.exit_if_armed(faults.STATUS_WRITTEN)
+    deployment = apply_owned(kube, owner, spec, decided.effective)
+    # The rollout as the Deployment now reports it; a second write only when that moved.
+    status = status_from(decided, Rollout.from_deployment(deployment, decided.effective.replicas), problems,
+                         generation, ready_note=ready_note)
+    if status.dump() != decided.dump():
+        write_status(kube, owner, status)
+    return Result(status, problems)
+
+
+def new_decision(prev: LLMDeploymentStatus, status: LLMDeploymentStatus) -> bool:
+    """Whether this pass's status records an autotune decision that changed the settings."""
+    before = prev.autotune.last_decision if prev.autotune is not None else None
+    after = status.autotune.last_decision if status.autotune is not None else None
+    return (after is not None and after != before and bool(after.change) and after.action != "hold"
+            and after.applied is not False and status.effective != prev.effective)
+
+
+def apply_owned(kube: Kube, owner: Owner, spec: LLMDeploymentSpec, effective: Effective) -> dict:
+    """The owned objects for the settings in `effective` (read from status); the Deployment
+    as the API server returned it."""
     kube.apply(build_configmap(owner, effective))
     deployment = kube.apply(build_deployment(owner, spec, effective.replicas))
     kube.apply(build_service(owner, spec))
@@ -154,17 +201,7 @@ def reconcile(kube: Kube, body, hook: AutotuneHook | None = None) -> Result:
         kube.apply(pdb)
     else:
         kube.delete("policy/v1", "PodDisruptionBudget", owner.namespace, owner.name)
-    snapshot = report.snapshot if report is not None else None
-    kv = None if snapshot is None or snapshot.kv_usage_mean is None else round(100 * snapshot.kv_usage_mean)
-    sim = spec.engine.simulate
-    # simulated=None clears a previous value: the status apply then leaves the field out.
-    status = status_from(prev, Rollout.from_deployment(deployment, effective.replicas), problems, generation,
-                         effective=effective, autotune=report, endpoint=endpoint_url(owner, spec),
-                         selector=selector_string(owner), kv_cache_usage_percent=kv,
-                         simulated=simulated_summary(spec), extra_conditions=autotune_conditions,
-                         ready_note=f"simulated {sim.accelerator}" if sim is not None else None)
-    write_status(kube, owner, status)
-    return Result(status, problems)
+    return deployment
 
 
 def write_status(kube: Kube, owner: Owner, status: LLMDeploymentStatus) -> None:

@@ -22,6 +22,9 @@ class FakeKube:
     def get(self, *a):
         return None
 
+    def list_pods(self, ns, selector):
+        return list(getattr(self, "pods", []))
+
     def delete(self, *a):
         return False
 
@@ -80,3 +83,26 @@ def test_a_pass_reconciles_the_freshest_object_not_the_events_body(fake, monkeyp
                         lambda k, b, h: seen.append(b) or SimpleNamespace(problems=[], ready=True))
     handlers.on_change(body({"model": {"source": "builtin:tiny"}}))
     assert seen == [fresh]
+
+
+def test_a_problem_is_announced_once_per_change_of_its_message(fake, monkeypatch):
+    """A crash loop posts a Warning Event when Degraded's message changes (a new restart),
+    not on every resync pass."""
+    from test_pod_health import CRASH, pod
+    kube = fake(ready=False)
+    warned = []
+    monkeypatch.setattr(kopf, "warn", lambda obj, reason, message: warned.append(reason))
+    obj = body({"model": {"source": "file:///nonexistent/model"}})
+    kube.get = lambda api_version, kind, ns, name: obj if kind == "LLMDeployment" else None
+
+    def run(restarts):
+        kube.pods = [pod("tiny-1", "CrashLoopBackOff", restarts, CRASH)]
+        kube.applied.clear()
+        handlers._pass(obj, "timer", retry=False)
+        obj["status"] = [m for m, sub in kube.applied if sub == "status"][-1]["status"]
+
+    run(2)
+    run(2)
+    assert warned == ["CrashLoopBackOff"]
+    run(3)
+    assert warned == ["CrashLoopBackOff", "CrashLoopBackOff"]

@@ -26,6 +26,9 @@ class FakeKube:
     def get(self, api_version, kind, ns, name):
         return self.objects.get((kind, name))
 
+    def list_pods(self, ns, selector):
+        return list(getattr(self, "pods", []))
+
     def delete(self, api_version, kind, ns, name):
         self.deleted.append((kind, name))
         return False
@@ -75,7 +78,8 @@ def test_conditions_follow_the_rollout_and_keep_transition_times():
 def test_reconcile_applies_owned_objects_and_writes_status():
     kube = FakeKube()
     result = reconcile(kube, body({"model": {"source": "builtin:tiny"}}))
-    assert kinds(kube) == ["ConfigMap", "Deployment", "Service", "LLMDeployment"]
+    # status (settings and decision) first, the owned objects from it, then the rollout's status
+    assert kinds(kube) == ["LLMDeployment", "ConfigMap", "Deployment", "Service", "LLMDeployment"]
     assert kube.deleted == [("PodDisruptionBudget", "tiny")]  # one replica: no PDB
     status_manifest, sub = kube.applied[-1]
     assert sub == "status" and set(status_manifest) == {"apiVersion", "kind", "metadata", "status"}

@@ -76,10 +76,24 @@ def kill_and_remove(root: str) -> list[int]:
         if not base.is_dir():
             continue
         # Deepest first: a cgroup can be removed once it has no children and no tasks.
-        for d in sorted((p for p in base.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        for d in sorted(_subdirs(base), key=lambda p: -len(p.parts)):
             _rmdir(d)
         _rmdir(base)
     return pids
+
+
+def _subdirs(base: Path) -> list[Path]:
+    """Every cgroup below `base`; one that vanishes during the walk (the kernel or the kubelet
+    removing a pod's cgroup as its last task exits) is skipped, not an error."""
+    out, todo = [], [base]
+    while todo:
+        try:
+            children = [p for p in todo.pop().iterdir() if p.is_dir()]
+        except FileNotFoundError:
+            continue
+        out += children
+        todo += children
+    return out
 
 
 def _rmdir(d: Path) -> None:

@@ -14,9 +14,11 @@ spec.autotune.interval, measured from the time of the last decision in status:
    LLMDeployment's scale subresource, as an HPA would (and not at all when an HPA
    targets it). Each applied change is an Event (AutotuneChange / AutotuneRevert, the
    decision's reason as message) and a count in kvpilot_operator_autotune_decisions_total;
-5. with spec.autotune.sharedPrefix set, a low prefix-cache hit rate raises the
+5. the MetricsAvailable condition says whether that read gave data, and if not why
+   (PrometheusUnreachable, BadResponse, NoData), with the URL and the error;
+6. with spec.autotune.sharedPrefix set, a low prefix-cache hit rate raises the
    PrefixCacheIneffective condition and a Warning Event (diagnose only);
-6. the TuningApplied condition says whether the pods report (kvpilot:max_num_seqs,
+7. the TuningApplied condition says whether the pods report (kvpilot:max_num_seqs,
    kvpilot:max_model_len) the settings in effect. A short disagreement is the tuning
    ConfigMap still propagating; one that outlasts TUNING_GRACE_S (or two windows) is
    PodsDisagree with a Warning Event: the engine refused a value, e.g. a max_model_len
@@ -40,6 +42,7 @@ from .decision import Action, Bounds, Decision, Diagnosis, Range, Settings, Thre
 from .history import History
 from .planner import observation
 from .policy import prefix_cache_warning, decide
+from .metrics_condition import METRICS_CONDITION, metrics_condition
 from .prometheus import PrometheusReader
 from .report import build_report, history_from_status
 from .signals import Snapshot
@@ -139,10 +142,12 @@ def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None 
     history = history_of(prev)
 
     snap: Snapshot | None = None
+    read_error: Exception | None = None
     try:
         snap = (reader_factory or default_reader)(at.prometheus.url).snapshot(
             owner.namespace, owner.name, parse_duration(at.window))
-    except Exception as e:  # Prometheus down or refusing: no data, never a guess
+    except Exception as e:  # Prometheus down, refusing or answering garbage: no data, never a guess
+        read_error = e
         log.warning("autotune %s/%s: reading Prometheus failed: %s", owner.namespace, owner.name, e)
         decision = Decision(now, Diagnosis.NO_DATA, Action.HOLD,
                             f"no decision: reading Prometheus at {at.prometheus.url} failed: {e}")
@@ -178,7 +183,8 @@ def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None 
         _announce_change(kube, owner, decision)
 
     conditions = _keep_previous(ctx, {PREFIX_CONDITION: _prefix_conditions(ctx, snap, thresholds),
-                                      TUNING_CONDITION: _tuning_condition(ctx, snap, current, now)})
+                                      TUNING_CONDITION: _tuning_condition(ctx, snap, current, now),
+                                      METRICS_CONDITION: [metrics_condition(at.prometheus.url, snap, read_error)]})
     return AutotuneOutcome(report=report, proposed=proposed, conditions=conditions)
 
 

@@ -94,6 +94,7 @@ EXTRA_SOURCES = {"request_len_p99": "vllm:request_generation_tokens_bucket",
 TIERED_TPOT_P95 = "tiered_tpot_p95_s"
 SETTINGS_METRICS = {"max_num_seqs": "kvpilot:max_num_seqs", "max_model_len": "kvpilot:max_model_len"}
 DEFAULT_REFUSAL_METRIC = "kvpilot:request_length_refusals_total"
+QUERY_TIMEOUT_S = 10
 
 
 def duration(seconds: float) -> str:
@@ -174,21 +175,63 @@ def build_settings_queries(target: Target) -> dict[str, str]:
     return {k: f"{m}{{{target.selector}}}" for k, m in SETTINGS_METRICS.items()}
 
 
-def _value(result: list[dict]) -> tuple[float, float] | None:
-    """(evaluation time, value) of a single-sample result, or None when empty."""
-    if not result:
+UNREACHABLE = "PrometheusUnreachable"  # no HTTP answer: refused, timed out, name not found
+BAD_RESPONSE = "BadResponse"  # an answer that is not query data: HTTP error, not JSON, wrong shape
+
+
+class MetricsUnavailable(Exception):
+    """Prometheus gave nothing a decision may rest on; `reason` is UNREACHABLE or BAD_RESPONSE."""
+
+    def __init__(self, reason: str, url: str, detail: str) -> None:
+        super().__init__(f"{'cannot reach' if reason == UNREACHABLE else 'bad answer from'} "
+                         f"Prometheus at {url}: {detail}")
+        self.reason, self.url, self.detail = reason, url, detail
+
+
+def _number(text: Any) -> float | None:
+    """A sample value as Prometheus writes it ("1.5", "NaN", "+Inf"); None unless finite."""
+    try:
+        v = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"sample value {str(text)[:40]!r} is not a number") from None
+    return v if math.isfinite(v) else None
+
+
+def _samples(result: Any) -> list[tuple[dict, float, float | None]]:
+    """(labels, evaluation time, finite value or None) of each series of an instant vector;
+    ValueError for anything shaped otherwise."""
+    if not isinstance(result, list):
+        raise ValueError(f"result is a {type(result).__name__}, not a list")
+    out = []
+    for series in result:
+        pair = series.get("value") if isinstance(series, dict) else None
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ValueError(f"series {str(series)[:80]!r} has no [time, value] pair")
+        ts = _number(pair[0])
+        if ts is None:
+            raise ValueError(f"series {str(series)[:80]!r} has no finite time")
+        labels = series.get("metric")
+        out.append((labels if isinstance(labels, dict) else {}, ts, _number(pair[1])))
+    return out
+
+
+def _value(result: Any) -> tuple[float, float | None] | None:
+    """(evaluation time, finite value or None) of a single-sample result, or None when empty."""
+    samples = _samples(result)
+    if not samples:
         return None
-    ts, text = result[0]["value"]
-    return float(ts), float(text)
+    _, ts, value = samples[0]
+    return ts, value
 
 
 class PrometheusReader:
     """Snapshot = reader.snapshot(namespace, name, window_s)."""
 
-    def __init__(self, client: QueryClient, *, scrape_interval_s: float = 15.0, stale_after_scrapes: float = 3.0,
+    def __init__(self, client: QueryClient, *, url: str = "", scrape_interval_s: float = 15.0, stale_after_scrapes: float = 3.0,
                  label: str = "llmdeployment", namespace_label: str = "namespace", pod_label: str = "pod",
                  refusal_metric: str = DEFAULT_REFUSAL_METRIC) -> None:
         self.client = client
+        self.url = url or str(getattr(client, "url", "") or "?")
         self.stale_after_s = scrape_interval_s * stale_after_scrapes
         self.label, self.namespace_label, self.pod_label = label, namespace_label, pod_label
         self.refusal_metric = refusal_metric
@@ -196,8 +239,14 @@ class PrometheusReader:
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> PrometheusReader:
         from prometheus_api_client import PrometheusConnect  # imported where used
+        from urllib3.util.retry import Retry
 
-        return cls(PrometheusConnect(url=url, disable_ssl=True), **kwargs)
+        # No retries: PrometheusConnect's default retries refusals and 5xx answers with backoff,
+        # stalling the pass; the next pass is the retry. A timeout: a blackholed address must
+        # not hold the reconcile forever.
+        client = PrometheusConnect(url=url, disable_ssl=True, retry=Retry(total=0, status_forcelist=()),
+                                   timeout=QUERY_TIMEOUT_S)
+        return cls(client, url=url, **kwargs)
 
     def target(self, namespace: str, name: str) -> Target:
         return Target(namespace, name, self.label, self.namespace_label, self.pod_label)
@@ -209,7 +258,17 @@ class PrometheusReader:
         params = {"time": f"{at:.3f}"} if at is not None else None
 
         def query(q: str) -> list[dict]:
-            return self.client.custom_query(q, params=params) if params else self.client.custom_query(q)
+            """One instant query; MetricsUnavailable for anything but a well-formed vector."""
+            try:
+                result = self.client.custom_query(q, params=params) if params else self.client.custom_query(q)
+                _samples(result)  # the shape, checked once here
+            except ValueError as e:  # not JSON (requests' JSONDecodeError is an OSError too)
+                raise MetricsUnavailable(BAD_RESPONSE, self.url, f"{type(e).__name__}: {e}"[:300]) from e
+            except OSError as e:  # requests' errors are OSErrors: refused, reset, timed out
+                raise MetricsUnavailable(UNREACHABLE, self.url, f"{type(e).__name__}: {e}"[:300]) from e
+            except Exception as e:  # HTTP error status, non-JSON body, wrong shape
+                raise MetricsUnavailable(BAD_RESPONSE, self.url, f"{type(e).__name__}: {e}"[:300]) from e
+            return result
 
         values: dict[str, float | None] = {}
         eval_times: list[float] = []
@@ -219,7 +278,7 @@ class PrometheusReader:
                 values[field] = None
                 continue
             eval_times.append(got[0])
-            values[field] = None if math.isnan(got[1]) or math.isinf(got[1]) else got[1]
+            values[field] = got[1]  # None for NaN/Inf: never a decision from a non-number
 
         newest: dict[str, float | None] = {}
         for metric, q in build_freshness_queries(target, self.refusal_metric).items():
@@ -245,9 +304,9 @@ class PrometheusReader:
 
         pods: dict[str, dict] = {}
         for setting, q in build_settings_queries(target).items():
-            for series in query(q):
-                pod = series.get("metric", {}).get(self.pod_label, "?")
-                pods.setdefault(pod, {})[setting] = int(float(series["value"][1]))
+            for labels, _, value in _samples(query(q)):
+                if value is not None:
+                    pods.setdefault(str(labels.get(self.pod_label, "?")), {})[setting] = int(value)
 
         return Snapshot(
             time=now, window_s=window_s,

@@ -49,6 +49,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: [""]
   resources: ["persistentvolumeclaims", "secrets"]
   verbs: ["get"]
+# Why engine pods are not ready (a crash loop's exit code and message) for Degraded.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
