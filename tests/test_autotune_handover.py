@@ -79,3 +79,27 @@ def test_without_the_status_the_new_leader_would_decide_again():
     old.pass_(stored, T0)
     new.pass_(stale, T0 + 2)
     assert len(old.changes()) + len(new.changes()) == 2
+
+
+def test_a_leader_killed_before_its_status_write_announces_nothing():
+    """Killed after the ConfigMap but before the status write: no Event from the dead leader;
+    the new leader, finding no decision in status, repeats it (same change, same ConfigMap
+    value) and announces it once."""
+    snaps = {"s": snap(seqs=4, **SCHED)}
+    stored = stored_llmd()
+    old, new = Operator(snaps), Operator(snaps)
+
+    def killed_at_status_write(manifest, subresource=""):
+        if subresource == "status":
+            raise SystemExit("killed")  # the process dies here: nothing after runs
+        return FakeKube.apply(old.kube, manifest, subresource)
+    old.kube.apply = killed_at_status_write
+    try:
+        old.pass_(stored, T0)
+    except SystemExit:
+        pass
+    assert '"max_num_seqs": 6' in old.tuning()[-1] and stored["status"] == {} and old.changes() == []
+    st = new.pass_(stored, T0 + 2)
+    assert st["autotune"]["lastDecision"]["change"] == {"maxNumSeqs": [4, 6]}
+    assert '"max_num_seqs": 6' in new.tuning()[-1]
+    assert len(new.changes()) == 1 and [h["change"] for h in st["autotune"]["history"]] == [{"maxNumSeqs": [4, 6]}]
