@@ -73,7 +73,7 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=prefix, key="last-handled-configuration")
     settings.persistence.finalizer = f"{prefix}/finalizer"
-    settings.peering.standalone = True
+    settings.peering.standalone = True  # HA is a Lease (--leader-elect): a standby never starts kopf
     settings.scanning.disabled = True  # no CRD list/watch permission needed; the CRD exists first
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
