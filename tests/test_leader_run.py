@@ -151,3 +151,24 @@ def test_an_unreachable_api_past_the_renew_deadline_exits(store):
     result = p.join()
     assert isinstance(result.get("error"), Exited)
     assert time.monotonic() - t0 < FAST.lease_duration_s + 0.5  # gave up within about the renew deadline
+
+
+def test_leader_election_flags(monkeypatch):
+    import argparse
+
+    from kvpilot.operator.cli import add_parser, election_config
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    a = parser.parse_args(["operator"])
+    assert a.leader_elect is False and a.leader_election_id == "kvpilot-operator"
+    assert (a.leader_elect_lease_duration, a.leader_elect_renew_deadline, a.leader_elect_retry_period) == (15, 10, 2)
+    monkeypatch.setenv("POD_NAME", "op-7")
+    monkeypatch.setenv("POD_NAMESPACE", "ops")
+    cfg = election_config(parser.parse_args(["operator", "--leader-elect", "--leader-election-id", "x"]))
+    assert (cfg.namespace, cfg.lease_name, cfg.identity) == ("ops", "x", "op-7")
+    assert cfg.timing == ElectionTiming()
+    cfg = election_config(parser.parse_args(["operator", "--leader-elect", "--leader-election-namespace", "n"]))
+    assert cfg.namespace == "n"
+    with pytest.raises(ValueError, match="renew_deadline_s"):
+        election_config(parser.parse_args(["operator", "--leader-elect", "--leader-elect-renew-deadline", "20"]))
