@@ -3,9 +3,11 @@ defaults: two operator replicas, leader election over a coordination.k8s.io/v1 L
 
     a. exactly one replica holds the Lease and reconciles; the standby's reconcile
        counter stays 0 and its /healthz is fine (it is Ready);
-    b. the leader's pod force-deleted, then the new leader's process SIGKILLed (no
-       chance to release the Lease): the time until a new leader process holds the
-       Lease and has reconciled is measured for each;
+    b. the leader's pod force-deleted; the new leader's process SIGKILLed (no chance to
+       release the Lease); the next leader frozen with SIGSTOP (renews nothing, is not
+       restarted: the standby must wait out the lease): the time until a new leader
+       process holds the Lease and has reconciled is measured for each, and the frozen
+       leader, resumed, exits 1 at once;
     c. the fault "leader killed during an autotune change": the leader is SIGKILLed right
        after the first AutotuneChange Event; the deployment converges, the change is in
        status.autotune.history once, every applied change has exactly one Event, and the
@@ -84,6 +86,19 @@ def leader_process(kube, old: str, not_before: float):
     return None
 
 
+def exit_code_since(kube, pod: str, wall: float) -> int | None:
+    """The exit code of the pod's operator container if it stopped after `wall` (its current
+    state while it waits to restart, or its last state once restarted), else None."""
+    import datetime as dt
+    cs = kube.get(f"/api/v1/namespaces/{OPERATOR_NS}/pods/{pod}")["status"]["containerStatuses"][0]
+    for state in (cs.get("state") or {}, cs.get("lastState") or {}):
+        term = state.get("terminated") or {}
+        finished = term.get("finishedAt")
+        if finished and dt.datetime.fromisoformat(finished.replace("Z", "+00:00")).timestamp() >= wall - 1:
+            return term["exitCode"]
+    return None
+
+
 def kill_processes(cluster, pod: str) -> list[int]:
     """SIGKILL every process of the pod's containers (a crash: nothing is released)."""
     pids = cluster.pod_processes(OPERATOR_NS, pod)
@@ -153,9 +168,36 @@ def test_one_leader_reconciles_and_a_killed_leader_hands_over(cluster, tuned_ope
     transitions = lease(kube)["leaseTransitions"]
     crashed, old2, new2 = measure_handover(kube, wait_for, lambda pod: kill_processes(cluster, pod),
                                            "SIGKILL of the leader's processes")
+    # A frozen leader (SIGSTOP: a partition, a paused VM) renews nothing and is not restarted:
+    # the standby takes over once the lease duration it observed has passed; resumed, the
+    # old leader finds the Lease gone and exits 1 at once (its container restarts).
+    wait_for(lambda: two_ready_and_a_leader(kube), timeout=180, interval=1, what="two Ready operators again")
+    frozen = lease(kube)["holderIdentity"]
+    pids = cluster.pod_processes(OPERATOR_NS, frozen)
+    wall0, t0 = time.time(), time.monotonic()
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        pod, _ = wait_for(lambda: leader_process(kube, frozen, wall0), timeout=60, interval=0.1,
+                          what="the standby to take over from a frozen leader")
+        stalled = time.monotonic() - t0
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    new3 = pod["metadata"]["name"]
+    t_resume, wall_resume = time.monotonic(), time.time()
+    exit_code = wait_for(lambda: (lambda c: None if c is None else (c,))(exit_code_since(kube, frozen, wall_resume)),
+                         timeout=60, interval=0.2, what="the resumed old leader to exit")[0]
+    exited = time.monotonic() - t_resume
     print(f"\n[ha] handover after a forced delete of {old1}: {forced:.1f}s (new leader {new1}); "
-          f"after SIGKILL of {old2}: {crashed:.1f}s (new leader {new2}); leaseTransitions {transitions} -> "
+          f"after SIGKILL of {old2}: {crashed:.1f}s (new leader {new2}: "
+          f"{'its restarted container renewed under the pod name' if new2 == old2 else 'the standby'}); "
+          f"after SIGSTOP of {frozen}: {stalled:.1f}s (new leader {new3}); the resumed old leader exited "
+          f"with code {exit_code} {exited:.1f}s after SIGCONT; leaseTransitions {transitions} -> "
           f"{lease(kube)['leaseTransitions']}")
+    assert new3 != frozen and lease(kube)["holderIdentity"] == new3
+    assert exit_code == 1
+    assert stalled < 15 + 2 * 2.4 + 3, stalled  # the lease duration, a retry with jitter, a reconcile
     assert new1 != old1
     assert forced < HANDOVER_TARGET_S, forced
     # A crash releases nothing: the standby waits out the lease duration it observed (15 s)

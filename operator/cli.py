@@ -62,9 +62,10 @@ def _cmd_operator(args: argparse.Namespace) -> int:
         from .leader_run import run_elected
 
         # kopf's peering stays off (standalone): the Lease decides who runs kopf at all.
-        return run_elected(election_config(args),
-                           lambda: kopf.operator(standalone=True, clusterwide=not namespaces, namespaces=namespaces),
-                           args.bind_address, args.liveness_port)
+        def run_kopf(leading):  # the handlers find the leadership check in kopf's memo
+            return kopf.operator(standalone=True, clusterwide=not namespaces, namespaces=namespaces,
+                                 memo=kopf.Memo(leading=leading))
+        return run_elected(election_config(args), run_kopf, args.bind_address, args.liveness_port)
     liveness = f"http://{args.bind_address}:{args.liveness_port}/healthz" if args.liveness_port else None
     kopf.run(standalone=True, clusterwide=not namespaces, namespaces=namespaces,
              liveness_endpoint=liveness)

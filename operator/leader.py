@@ -119,6 +119,13 @@ class LeaderElector:
         self._set_leader(True)
         return True
 
+    def holds(self) -> bool:
+        """Whether this process may act as the leader now: it holds the Lease and renewed it
+        within the renew deadline. After a freeze (SIGSTOP, a VM pause, a long GC) the
+        monotonic clock has moved on, so this says False before the hold loop has even
+        noticed: the operator checks it before each reconcile pass."""
+        return self.is_leader and not election.renew_overdue(self.last_renew, self.clock(), self.timing)
+
     def _attempt(self) -> bool:
         try:
             return self.try_once()

@@ -62,12 +62,12 @@ def set_leader_metric(heartbeat: Heartbeat) -> Callable[[bool], None]:
     return on_change
 
 
-def run_elected(config: ElectionConfig, run_operator: Callable[[], Awaitable[None]],
+def run_elected(config: ElectionConfig, run_operator: Callable[[Callable[[], bool]], Awaitable[None]],
                 health_host: str, health_port: int) -> int:
     return asyncio.run(_main(config, run_operator, health_host, health_port))
 
 
-async def _main(config: ElectionConfig, run_operator: Callable[[], Awaitable[None]],
+async def _main(config: ElectionConfig, run_operator: Callable[[Callable[[], bool]], Awaitable[None]],
                 health_host: str, health_port: int) -> int:
     from .apply import Kube
     from .handlers import load_kube_config
@@ -97,7 +97,7 @@ async def _main(config: ElectionConfig, run_operator: Callable[[], Awaitable[Non
     # The leader. hold() is created before kopf starts: kopf's run_tasks leaves the tasks
     # that existed before it alone. kopf replaces the signal handlers with its own.
     hold = asyncio.create_task(elector.hold())
-    operator = asyncio.create_task(run_operator())
+    operator = asyncio.create_task(run_operator(elector.holds))  # each pass checks holds() first
     await asyncio.wait({hold, operator}, return_when=asyncio.FIRST_COMPLETED)
     if not operator.done():
         log.error("leader election: leadership lost; exiting at once so that no reconcile or autotune "

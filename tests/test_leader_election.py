@@ -272,3 +272,14 @@ def test_release_hands_over_at_the_next_retry():
     clock.t = 2.0
     assert b.try_once() and store.lease.holder == "b" and store.lease.transitions == 1
     assert not a.release()  # not the leader: nothing to give up
+
+
+def test_holds_is_false_once_the_renew_deadline_passed_even_before_the_loop_notices():
+    store, clock = FakeStore(), Clock()
+    a = elector(store, "a", clock)
+    assert not a.holds()
+    assert a.try_once() and a.holds()
+    clock.t = 9.9
+    assert a.holds()
+    clock.t = 10.0  # e.g. the process was frozen: no renew for the whole deadline
+    assert not a.holds() and a.is_leader

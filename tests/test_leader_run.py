@@ -82,7 +82,8 @@ def fake_operator():
     """What kopf.operator() is to _main: runs until told to stop (kopf stops on SIGTERM)."""
     started, stop = threading.Event(), threading.Event()
 
-    async def run():
+    async def run(leading):
+        assert leading()  # the operator is started holding the Lease
         started.set()
         while not stop.is_set():
             await asyncio.sleep(0.02)

@@ -80,3 +80,17 @@ def test_a_pass_reconciles_the_freshest_object_not_the_events_body(fake, monkeyp
                         lambda k, b, h: seen.append(b) or SimpleNamespace(problems=[], ready=True))
     handlers.on_change(body({"model": {"source": "builtin:tiny"}}))
     assert seen == [fresh]
+
+
+def test_a_process_unsure_of_its_leadership_writes_nothing(fake):
+    """With --leader-elect, kopf's memo carries the elector's check; a frozen leader whose
+    renew deadline passed must not run a pass before it notices and exits."""
+    from prometheus_client import REGISTRY
+
+    kube = fake(ready=True)
+    handlers.on_change(body({"model": {"source": "builtin:tiny"}}), memo=kopf.Memo(leading=lambda: False))
+    assert kube.applied == []
+    handlers._pass(body({"model": {"source": "builtin:tiny"}}), "timer", retry=False, leading=lambda: False)
+    assert kube.applied == []
+    assert REGISTRY.get_sample_value("kvpilot_operator_reconciles_total",
+                                     {"trigger": "change", "result": "not-leader"}) >= 1
