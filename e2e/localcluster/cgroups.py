@@ -75,10 +75,11 @@ def kill_and_remove(root: str) -> list[int]:
         base = h / root.strip("/")
         if not base.is_dir():
             continue
-        # Deepest first: a cgroup can be removed once it has no children and no tasks.
-        for d in sorted((p for p in base.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-            _rmdir(d)
-        _rmdir(base)
+        # Deepest first: a cgroup can be removed once it has no children and no tasks. os.walk
+        # skips a cgroup the kubelet or runc removes meanwhile (Path.rglob raised
+        # FileNotFoundError on that race at a cluster's teardown).
+        for dirpath, _, _ in os.walk(base, topdown=False):
+            _rmdir(Path(dirpath))
     return pids
 
 
