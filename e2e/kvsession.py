@@ -175,7 +175,8 @@ def deploy(cluster: LocalCluster, kube, manifest: dict, timeout: float = 300) ->
         wait_for(ready, timeout=timeout, interval=1, what=f"LLMDeployment {ns}/{name} to be Ready")
     except TimeoutError:
         r = cluster.kubectl("get", "llmd,deploy,pods,events", "-n", ns, "-o", "wide", check=False)
-        o = cluster.kubectl("logs", "-n", OPERATOR_NS, "deploy/kvpilot", "--tail=30", check=False)
+        o = cluster.kubectl("logs", "-n", OPERATOR_NS, "-l", "app.kubernetes.io/name=kvpilot-operator", "--prefix",
+                            "--tail=30", check=False)
         raise SetupError(f"{ns}/{name} not Ready after {timeout:.0f}s:\n{r.stdout}{r.stderr}\n"
                          f"--- operator log ---\n{o.stdout}{o.stderr}") from None
     log(f"{ns}/{name} Ready: {', '.join(pod_urls(kube, ns, name))}")

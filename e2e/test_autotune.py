@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from kvpilot.engine.bench_serve import BenchConfig, benchmark
-from test_operator import diagnose, engine_pods, is_ready, llmd, operator_ready
+from test_operator import diagnose, engine_pods, is_ready, llmd, operator_leader
 
 pytestmark = pytest.mark.e2e
 
@@ -202,7 +202,7 @@ def test_a_too_many_seqs_for_the_cache_lowers_them_and_preemptions_fall(cluster,
         assert after_per_token < 0.5 * before_per_token, (before_per_token, after_per_token)
         assert st["capacity"]["bytesPerToken"] == 4096 and st["capacity"]["kvCacheBytes"] == 2 * 2**20
         assert events(kube, ns, "AutotuneChange"), "no AutotuneChange Event"
-        (op,) = operator_ready(kube)
+        op = operator_leader(kube)
         text = httpx.get(f"http://{op['status']['podIP']}:8080/metrics", timeout=10).text
         assert 'kvpilot_operator_autotune_decisions_total{action="change",setting="max_num_seqs"}' in text
         assert llmd(kube, ns)["spec"]["engine"]["maxNumSeqs"] == 64  # the spec is never rewritten

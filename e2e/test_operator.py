@@ -89,9 +89,18 @@ def operator_ready(kube) -> list[dict]:
         c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]
 
 
+def operator_leader(kube) -> dict:
+    """The Ready operator pod that holds the leader-election Lease (the chart runs two)."""
+    lease = kube.get(f"/apis/coordination.k8s.io/v1/namespaces/{OPERATOR_NS}/leases/{RELEASE}", ok404=True)
+    holder = ((lease or {}).get("spec") or {}).get("holderIdentity")
+    (op,) = [p for p in operator_ready(kube) if p["metadata"]["name"] == holder]
+    return op
+
+
 def diagnose(cluster, ns: str) -> str:
     r = cluster.kubectl("get", "llmd,deploy,pods,events", "-n", ns, "-o", "wide", check=False)
-    o = cluster.kubectl("logs", "-n", OPERATOR_NS, "deploy/kvpilot", "--tail=40", check=False)
+    o = cluster.kubectl("logs", "-n", OPERATOR_NS, "-l", "app.kubernetes.io/name=kvpilot-operator", "--prefix",
+                        "--tail=40", check=False)
     return f"{r.stdout}{r.stderr}\n--- operator ---\n{o.stdout}{o.stderr}"
 
 
@@ -171,7 +180,7 @@ def test_operator_and_engine_run_from_the_image_under_restricted(cluster, operat
     """Both namespaces enforce `restricted` (admission let these pods in); each container is
     kvpilot's image, and `kvpilot serve` is the engine container's PID 1, so the kubelet's
     SIGTERM reaches it (no shell in between)."""
-    (op,) = operator_ready(operator)
+    op = operator_leader(operator)
     (pod,) = engine_pods(operator, demo)
     for p in (op, pod):
         labels = operator.get(f"/api/v1/namespaces/{p['metadata']['namespace']}")["metadata"]["labels"]
@@ -205,7 +214,7 @@ def test_a_deleted_engine_pod_drains_and_is_replaced(cluster, operator, demo, wa
 
 
 def test_operator_metrics(operator, demo):
-    (op,) = operator_ready(operator)
+    op = operator_leader(operator)
     text = httpx.get(f"http://{op['status']['podIP']}:8080/metrics", timeout=10).text
     assert "kvpilot_operator_reconciles_total{" in text
     assert "kvpilot_operator_reconcile_duration_seconds_bucket" in text
@@ -292,7 +301,7 @@ def test_invalid_specs_are_refused_with_field_messages(cluster, operator, demo):
 
 
 def test_operator_restart_converges(cluster, operator, demo, wait_for):
-    (op,) = operator_ready(operator)
+    op = operator_leader(operator)  # deleted: the standby takes the released Lease over
     cluster.kubectl("delete", "pod", op["metadata"]["name"], "-n", OPERATOR_NS, "--wait=false")
     patch_spec(cluster, demo, {"engine": {"maxNumSeqs": 20}})  # while the operator is away
     wait_for(lambda: [p for p in operator_ready(operator) if p["metadata"]["uid"] != op["metadata"]["uid"]],

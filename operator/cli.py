@@ -17,6 +17,18 @@ def add_parser(subparsers) -> None:
     p.add_argument("--bind-address", default="0.0.0.0")
     p.add_argument("--resync-interval", type=float, default=30.0,
                    help="seconds between level-based re-reconciles of each LLMDeployment")
+    le = p.add_argument_group("leader election (a coordination.k8s.io/v1 Lease, as controller-runtime)")
+    le.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=False,
+                    help="run only while holding the Lease (several replicas: one leader, the rest standby)")
+    le.add_argument("--leader-election-namespace", default=None,
+                    help="the Lease's namespace (default: $POD_NAMESPACE, else the service account's)")
+    le.add_argument("--leader-election-id", default="kvpilot-operator", help="the Lease's name")
+    le.add_argument("--leader-elect-lease-duration", type=float, default=15.0,
+                    help="seconds a standby waits on an unrenewed Lease before taking it over")
+    le.add_argument("--leader-elect-renew-deadline", type=float, default=10.0,
+                    help="seconds the leader keeps trying to renew before it gives up (and exits)")
+    le.add_argument("--leader-elect-retry-period", type=float, default=2.0,
+                    help="seconds between attempts to acquire or renew")
     p.set_defaults(func=_cmd_operator)
 
     p = subparsers.add_parser("crd", help="print the LLMDeployment CRD (YAML)")
@@ -45,8 +57,30 @@ def _cmd_operator(args: argparse.Namespace) -> int:
         from prometheus_client import start_http_server
 
         start_http_server(args.metrics_port, addr=args.bind_address)
-    liveness = f"http://{args.bind_address}:{args.liveness_port}/healthz" if args.liveness_port else None
     namespaces = args.namespace or []
+    if args.leader_elect:
+        from .leader_run import run_elected
+
+        # kopf's peering stays off (standalone): the Lease decides who runs kopf at all.
+        def run_kopf(leading):  # the handlers find the leadership check in kopf's memo
+            return kopf.operator(standalone=True, clusterwide=not namespaces, namespaces=namespaces,
+                                 memo=kopf.Memo(leading=leading))
+        return run_elected(election_config(args), run_kopf, args.bind_address, args.liveness_port)
+    liveness = f"http://{args.bind_address}:{args.liveness_port}/healthz" if args.liveness_port else None
     kopf.run(standalone=True, clusterwide=not namespaces, namespaces=namespaces,
              liveness_endpoint=liveness)
     return 0
+
+
+def election_config(args: argparse.Namespace):
+    """The leader-election settings from the flags, validated (ValueError names the flag)."""
+    from .election import ElectionTiming
+    from .leader_run import ElectionConfig, default_identity, default_namespace
+
+    try:
+        timing = ElectionTiming(args.leader_elect_lease_duration, args.leader_elect_renew_deadline,
+                                args.leader_elect_retry_period)
+    except ValueError as e:
+        raise ValueError(f"--leader-elect-*: {e}") from None
+    return ElectionConfig(namespace=args.leader_election_namespace or default_namespace(),
+                          lease_name=args.leader_election_id, identity=default_identity(), timing=timing)

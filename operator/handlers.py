@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+from typing import Callable
 
 import kopf
 
@@ -74,7 +75,7 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=prefix, key="last-handled-configuration")
     settings.persistence.finalizer = f"{prefix}/finalizer"
-    settings.peering.standalone = True
+    settings.peering.standalone = True  # HA is a Lease (--leader-elect): a standby never starts kopf
     settings.scanning.disabled = True  # no CRD list/watch permission needed; the CRD exists first
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
@@ -82,13 +83,25 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.execution.max_workers = 8
 
 
-def _pass(body, trigger: str, *, retry: bool) -> None:
-    """One reconcile under the object's lock, with metrics and error mapping."""
+def _leading(memo) -> Callable[[], bool] | None:
+    """The leader-election check `kvpilot operator --leader-elect` puts in kopf's memo; None
+    without leader election."""
+    return memo.get("leading") if memo is not None else None
+
+
+def _pass(body, trigger: str, *, retry: bool, leading: Callable[[], bool] | None = None) -> None:
+    """One reconcile under the object's lock, with metrics and error mapping. With leader
+    election, a process that cannot be sure it still holds the Lease (it was frozen past
+    the renew deadline) writes nothing: it is about to exit, and a new leader may be at work."""
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     kube = _kube()
     start = time.monotonic()
     current = body
     with _lock(ns, name):
+        if leading is not None and not leading():
+            metrics.RECONCILES.labels(trigger, "not-leader").inc()
+            log.warning("not reconciling %s/%s: leadership is no longer certain", ns, name)
+            return
         try:
             # The freshest object, read under the lock: the body an event or the resync list
             # carried may predate the status the previous pass wrote (the autotuner's history
@@ -142,11 +155,11 @@ def problems_to_announce(previous: dict, result) -> list:
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
-def on_change(body, **_) -> None:
-    _pass(body, "change", retry=True)
+def on_change(body, memo=None, **_) -> None:
+    _pass(body, "change", retry=True, leading=_leading(memo))
 
 
-async def _resync_loop() -> None:
+async def _resync_loop(leading: Callable[[], bool] | None = None) -> None:
     """Level-based re-reconcile of every LLMDeployment each RESYNC_SECONDS:
     corrects drift and runs the autotuner. A plain loop rather than
     @kopf.timer, which would put a finalizer on every object (and block its
@@ -161,12 +174,12 @@ async def _resync_loop() -> None:
             continue
         for body in bodies:
             if not body["metadata"].get("deletionTimestamp"):
-                await asyncio.to_thread(_pass, body, "timer", retry=False)
+                await asyncio.to_thread(_pass, body, "timer", retry=False, leading=leading)
 
 
 @kopf.on.startup()
 async def start_resync(memo: kopf.Memo, **_) -> None:
-    memo["resync"] = asyncio.get_running_loop().create_task(_resync_loop())
+    memo["resync"] = asyncio.get_running_loop().create_task(_resync_loop(_leading(memo)))
 
 
 @kopf.on.cleanup()
@@ -177,7 +190,7 @@ async def stop_resync(memo: kopf.Memo, **_) -> None:
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
-def owned_deployment(event, body, **_) -> None:
+def owned_deployment(event, body, memo=None, **_) -> None:
     """A Deployment we own changed or vanished: reconcile its LLMDeployment now
     (recreates a deleted one, reverts hand edits, refreshes status)."""
     name = (body.get("metadata", {}).get("labels") or {}).get(INSTANCE_LABEL)
@@ -187,5 +200,5 @@ def owned_deployment(event, body, **_) -> None:
     owner = _kube().get(f"{GROUP}/{VERSION}", "LLMDeployment", ns, name)
     if owner is None or owner["metadata"].get("deletionTimestamp"):
         return
-    _pass(owner, f"deployment-{(event.get('type') or 'event').lower()}", retry=False)
+    _pass(owner, f"deployment-{(event.get('type') or 'event').lower()}", retry=False, leading=_leading(memo))
 

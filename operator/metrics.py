@@ -1,7 +1,7 @@
 """The operator's own Prometheus metrics (separate from the engine's)."""
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 RECONCILES = Counter("kvpilot_operator_reconciles_total", "Reconcile passes by trigger and result",
                      ["trigger", "result"])
@@ -15,3 +15,5 @@ AUTOTUNE_DIAGNOSES = Counter("kvpilot_operator_autotune_diagnoses_total",
                              "Autotuner intervals by diagnosis", ["diagnosis"])
 AUTOTUNE_WARNINGS = Counter("kvpilot_operator_autotune_warnings_total",
                             "Diagnose-only autotuner warnings raised, by reason", ["reason"])
+LEADER = Gauge("kvpilot_operator_leader",
+               "1 while this operator process holds the leader-election Lease (and reconciles), else 0")

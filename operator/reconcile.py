@@ -43,6 +43,11 @@ class AutotuneOutcome:
     proposed: Optional[Effective] = None
     # The autotuner's own conditions (e.g. PrefixCacheIneffective); None keeps the previous ones.
     conditions: Optional[list[Condition]] = None
+    # Telling the world about an applied change (its Event, the decision counter): run only
+    # once the status that records the change is written, so that an operator killed in
+    # between leaves no Event for a change that status (the autotuner's memory) does not
+    # hold, and the next leader's repeat of that decision is announced once, not twice.
+    announce: Optional[Callable[[], None]] = None
 
     def status(self) -> AutotuneStatus:
         r = self.report
@@ -114,29 +119,31 @@ def find_problems(kube: Kube, namespace: str, spec: LLMDeploymentSpec) -> list[P
 
 def run_autotune(hook: AutotuneHook | None, owner: Owner, spec: LLMDeploymentSpec,
                  prev: LLMDeploymentStatus, kube: Kube | None = None
-                 ) -> tuple[Effective | None, AutotuneStatus | None, list[Condition] | None]:
-    """(tuned settings to run, report, autotuner conditions). Off: none. A failing hook
+                 ) -> tuple[Effective | None, AutotuneStatus | None, list[Condition] | None,
+                            Callable[[], None] | None]:
+    """(tuned settings to run, report, autotuner conditions, announcement to make once the
+    status is written). Off: none. A failing hook
     keeps the last values. Replicas always come from spec.replicas: the autotuner moves
     them through the scale subresource (as an HPA would), so a tuned replica count never
     outlives a later change of spec.replicas; a proposal may carry the value it just wrote."""
     if spec.autotune.mode == "Off":
-        return None, None, []
+        return None, None, [], None
     tuned = prev.effective.model_copy(update={"replicas": None}) if prev.effective else None
     current = effective_settings(spec, tuned)
     if hook is None:
-        return tuned, prev.autotune or AutotuneStatus(diagnosis="NoData", message="autotuner not installed"), None
+        return tuned, prev.autotune or AutotuneStatus(diagnosis="NoData", message="autotuner not installed"), None, None
     try:
         out = hook(AutotuneContext(owner, spec, prev, current, kube))
         report = out.status()
     except Exception as e:  # the autotuner must never stop the reconcile
         log.exception("autotune hook failed for %s/%s", owner.namespace, owner.name)
         report = (prev.autotune or AutotuneStatus()).model_copy(update={"message": f"autotuner error: {e}"})
-        return tuned, report, None
+        return tuned, report, None, None
     if spec.autotune.mode == "Auto":  # a partial proposal (or none: hold) keeps the rest running
         return current.model_copy(update=out.proposed.model_dump(exclude_none=True)) if out.proposed \
-            else current, report, out.conditions
+            else current, report, out.conditions, out.announce
     report = report.model_copy(update={"recommendation": out.proposed}) if out.proposed else report
-    return None, report, out.conditions
+    return None, report, out.conditions, out.announce
 
 
 def reconcile(kube: Kube, body, hook: AutotuneHook | None = None) -> Result:
@@ -153,7 +160,7 @@ def reconcile(kube: Kube, body, hook: AutotuneHook | None = None) -> Result:
     prev = LLMDeploymentStatus.model_validate(dict(body.get("status") or {}))
     spec = parse_spec(body)
     problems = find_problems(kube, owner.namespace, spec)
-    tuned, report, autotune_conditions = run_autotune(hook, owner, spec, prev, kube)
+    tuned, report, autotune_conditions, announce = run_autotune(hook, owner, spec, prev, kube)
     effective = effective_settings(spec, tuned)
     problems += pod_problems(kube.list_pods(owner.namespace, selector_string(owner)))
     snapshot = report.snapshot if report is not None else None
@@ -171,6 +178,8 @@ def reconcile(kube: Kube, body, hook: AutotuneHook | None = None) -> Result:
                           simulated=simulated_summary(spec), extra_conditions=autotune_conditions,
                           ready_note=ready_note)
     write_status(kube, owner, decided)
+    if announce is not None:  # the Event and counter of a change the status now holds
+        announce()
     if new_decision(prev, decided):
         faults.exit_if_armed(faults.STATUS_WRITTEN)
     deployment = apply_owned(kube, owner, spec, decided.effective)

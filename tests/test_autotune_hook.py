@@ -141,6 +141,8 @@ def test_auto_lowers_max_num_seqs_with_an_event_a_metric_and_a_capacity_plan():
     assert r.capacity.max_concurrent_seqs == 3 and r.capacity.bytes_per_token == 4096
     assert r.capacity.bound == "HardwareBound"
     assert out.proposed == Effective(max_num_seqs=32, max_model_len=512, replicas=1)
+    assert kube.events == []  # announced only once reconcile has written the status
+    out.announce()
     ((kind, name, type_, reason, message),) = kube.events
     assert (kind, name, type_, reason) == ("LLMDeployment", "tiny", "Normal", "AutotuneChange")
     assert "max_num_seqs 64 -> 32" in message and "preemptions" in message
@@ -193,6 +195,7 @@ def test_hardware_bound_adds_a_replica_through_the_scale_subresource():
     out = _scale_out_status(kube, spec_body(seqs=8, seqs_range=(8, 8)), T0)
     assert kube.scaled == [("demo", "tiny", 2)]
     assert out.proposed.replicas == 2 and out.status().last_decision.change == {"replicas": [1, 2]}
+    out.announce()
     assert [e[3] for e in kube.events] == ["AutotuneChange"]
 
 

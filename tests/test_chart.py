@@ -45,7 +45,8 @@ def test_helm_lint(helm):
 
 def test_default_render(helm):
     kinds = by_kind(render(helm))
-    assert sorted(kinds) == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "Service", "ServiceAccount"]
+    assert sorted(kinds) == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "PodDisruptionBudget",
+                             "Role", "RoleBinding", "Service", "ServiceAccount"]  # Role: the leader-election Lease
     (dep,) = kinds["Deployment"]
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
@@ -57,7 +58,7 @@ def test_default_render(helm):
     assert sc["capabilities"] == {"drop": ["ALL"]} and sc["seccompProfile"] == {"type": "RuntimeDefault"}
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["serviceAccountName"] == kinds["ServiceAccount"][0]["metadata"]["name"]
-    assert dep["spec"]["replicas"] == 1
+    assert dep["spec"]["replicas"] == 2  # leader + standby (tests/test_chart_ha.py)
 
 
 def test_rbac_is_least_privilege(helm):
@@ -79,7 +80,8 @@ def test_rbac_is_least_privilege(helm):
 def test_namespaced_install_uses_roles(helm):
     kinds = by_kind(render(helm, "--set", "watchNamespaces={team-a,team-b}"))
     assert "ClusterRole" not in kinds
-    assert sorted(r["metadata"]["namespace"] for r in kinds["Role"]) == ["team-a", "team-b"]
+    watched = [r for r in kinds["Role"] if not r["metadata"]["name"].endswith("-leader-election")]
+    assert sorted(r["metadata"]["namespace"] for r in watched) == ["team-a", "team-b"]
     args = kinds["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args and "--namespace=team-b" in args
 

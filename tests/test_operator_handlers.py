@@ -106,3 +106,17 @@ def test_a_problem_is_announced_once_per_change_of_its_message(fake, monkeypatch
     assert warned == ["CrashLoopBackOff"]
     run(3)
     assert warned == ["CrashLoopBackOff", "CrashLoopBackOff"]
+
+
+def test_a_process_unsure_of_its_leadership_writes_nothing(fake):
+    """With --leader-elect, kopf's memo carries the elector's check; a frozen leader whose
+    renew deadline passed must not run a pass before it notices and exits."""
+    from prometheus_client import REGISTRY
+
+    kube = fake(ready=True)
+    handlers.on_change(body({"model": {"source": "builtin:tiny"}}), memo=kopf.Memo(leading=lambda: False))
+    assert kube.applied == []
+    handlers._pass(body({"model": {"source": "builtin:tiny"}}), "timer", retry=False, leading=lambda: False)
+    assert kube.applied == []
+    assert REGISTRY.get_sample_value("kvpilot_operator_reconciles_total",
+                                     {"trigger": "change", "result": "not-leader"}) >= 1

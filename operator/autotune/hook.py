@@ -13,7 +13,9 @@ spec.autotune.interval, measured from the time of the last decision in status:
    (the reconcile writes them to the tuning ConfigMap), replicas through the
    LLMDeployment's scale subresource, as an HPA would (and not at all when an HPA
    targets it). Each applied change is an Event (AutotuneChange / AutotuneRevert, the
-   decision's reason as message) and a count in kvpilot_operator_autotune_decisions_total;
+   decision's reason as message) and a count in kvpilot_operator_autotune_decisions_total,
+   both made through the outcome's `announce`, which reconcile runs after the status that
+   records the change is written;
 5. the MetricsAvailable condition says whether that read gave data, and if not why
    (PrometheusUnreachable, BadResponse, NoData), with the URL and the error;
 6. with spec.autotune.sharedPrefix set, a low prefix-cache hit rate raises the
@@ -27,6 +29,7 @@ spec.autotune.interval, measured from the time of the last decision in status:
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import logging
 import re
 import time
@@ -179,13 +182,13 @@ def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None 
         proposed = Effective(max_num_seqs=values.get("max_num_seqs", current.max_num_seqs),
                              max_model_len=values.get("max_model_len", current.max_model_len),
                              replicas=replicas if auto else values.get("replicas", current.replicas))
-    if applied:
-        _announce_change(kube, owner, decision)
+    # The Event and counter wait for the status write (reconcile runs `announce` after it).
+    announce = functools.partial(_announce_change, kube, owner, decision) if applied else None
 
     conditions = _keep_previous(ctx, {PREFIX_CONDITION: _prefix_conditions(ctx, snap, thresholds),
                                       TUNING_CONDITION: _tuning_condition(ctx, snap, current, now),
                                       METRICS_CONDITION: [metrics_condition(at.prometheus.url, snap, read_error)]})
-    return AutotuneOutcome(report=report, proposed=proposed, conditions=conditions)
+    return AutotuneOutcome(report=report, proposed=proposed, conditions=conditions, announce=announce)
 
 
 # --- side effects -------------------------------------------------------------------------
