@@ -204,7 +204,8 @@ def test_a_too_many_seqs_for_the_cache_lowers_them_and_preemptions_fall(cluster,
         assert events(kube, ns, "AutotuneChange"), "no AutotuneChange Event"
         op = operator_leader(kube)
         text = httpx.get(f"http://{op['status']['podIP']}:8080/metrics", timeout=10).text
-        assert 'kvpilot_operator_autotune_decisions_total{action="change",setting="max_num_seqs"}' in text
+        assert ('kvpilot_operator_autotune_decisions_total{action="change",llmdeployment="tiny",'
+                f'llmdeployment_namespace="{ns}",setting="max_num_seqs"}}') in text
         assert llmd(kube, ns)["spec"]["engine"]["maxNumSeqs"] == 64  # the spec is never rewritten
     finally:
         cleanup(cluster, ns)

@@ -131,7 +131,8 @@ def test_series_label_matches_prometheus_labelmap_of_the_pod_label():
 
 def test_auto_lowers_max_num_seqs_with_an_event_a_metric_and_a_capacity_plan():
     reader, kube = FakeReader([snap(**PREEMPTING)]), FakeKube()
-    before = counter("kvpilot_operator_autotune_decisions_total", action="change", setting="max_num_seqs")
+    before = counter("kvpilot_operator_autotune_decisions_total", llmdeployment_namespace="demo", llmdeployment="tiny",
+                     action="change", setting="max_num_seqs")
     out = autotune_step(ctx(spec_body(), kube=kube), reader_factory=reader, now=T0)
     assert reader.url == "http://prom:9090" and reader.calls == [("demo", "tiny", 15.0)]
     r = out.status()
@@ -146,7 +147,8 @@ def test_auto_lowers_max_num_seqs_with_an_event_a_metric_and_a_capacity_plan():
     ((kind, name, type_, reason, message),) = kube.events
     assert (kind, name, type_, reason) == ("LLMDeployment", "tiny", "Normal", "AutotuneChange")
     assert "max_num_seqs 64 -> 32" in message and "preemptions" in message
-    after = counter("kvpilot_operator_autotune_decisions_total", action="change", setting="max_num_seqs")
+    after = counter("kvpilot_operator_autotune_decisions_total", llmdeployment_namespace="demo", llmdeployment="tiny",
+                     action="change", setting="max_num_seqs")
     assert after == before + 1
     assert kube.scaled == []
     # The pod still reports the 64 in effect when this interval began.

@@ -212,7 +212,7 @@ def _announce_change(kube: Any, owner, decision: Decision) -> None:
     change = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in decision.change.items())
     _event(kube, owner, "Normal", reason, f"{change}: {decision.reason}")
     for setting in decision.change:
-        metrics.AUTOTUNE_DECISIONS.labels(decision.action.value, setting).inc()
+        metrics.AUTOTUNE_DECISIONS.labels(owner.namespace, owner.name, decision.action.value, setting).inc()
     log.info("autotune %s/%s: %s %s (%s)", owner.namespace, owner.name, decision.action.value, change,
              decision.diagnosis.value)
 
