@@ -14,12 +14,15 @@ import kopf
 from . import metrics
 from .apply import Conflict, Kube
 from .objects import INSTANCE_LABEL, MANAGED_BY
-from .reconcile import load_autotune_hook, reconcile, write_invalid
+from .reconcile import load_autotune_hook, load_pass_hook_factory, reconcile, write_invalid
+from .resync import DEFAULT_MAX_CONCURRENT, ResyncPool
 from .spec import GROUP, KIND, PLURAL, VERSION, InvalidSpec
 
 log = logging.getLogger(__name__)
 RESYNC_SECONDS = float(os.environ.get("KVPILOT_RESYNC_SECONDS", "30"))  # the CLI sets it
 WATCH_NAMESPACES = [n for n in os.environ.get("KVPILOT_WATCH_NAMESPACES", "").split(",") if n]
+MAX_CONCURRENT_RECONCILES = int(os.environ.get("KVPILOT_MAX_CONCURRENT_RECONCILES",
+                                               str(DEFAULT_MAX_CONCURRENT)))  # the CLI sets it
 NOT_READY_DELAY = 10
 
 _state: dict = {}
@@ -81,19 +84,26 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.execution.max_workers = 8
 
 
-def _pass(body, trigger: str, *, retry: bool) -> None:
-    """One reconcile under the object's lock, with metrics and error mapping."""
+def _pass(body, trigger: str, *, retry: bool, hook=None, wait_for_lock: bool = True) -> None:
+    """One reconcile under the object's lock, with metrics and error mapping. `hook`
+    replaces the autotune hook (the resync's, sharing one Prometheus read per pass);
+    without `wait_for_lock`, a pass that finds the lock held skips (the resync: the
+    holder is an event-triggered pass doing the same work)."""
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     kube = _kube()
+    lock = _lock(ns, name)
+    if not lock.acquire(blocking=wait_for_lock):
+        metrics.RESYNC_SKIPPED.labels("locked").inc()
+        return
     start = time.monotonic()
     current = body
-    with _lock(ns, name):
+    try:
         try:
             # The freshest object, read under the lock: the body an event or the resync list
             # carried may predate the status the previous pass wrote (the autotuner's history
             # lives there), and reconciling from it would write that older status back.
             current = kube.get(f"{GROUP}/{VERSION}", KIND, ns, name) or body
-            result = reconcile(kube, current, _state.get("hook"))
+            result = reconcile(kube, current, hook or _state.get("hook"))
         except InvalidSpec as e:
             metrics.RECONCILES.labels(trigger, "invalid").inc()
             metrics.ERRORS.labels("InvalidSpec").inc()
@@ -118,6 +128,8 @@ def _pass(body, trigger: str, *, retry: bool) -> None:
             return
         finally:
             metrics.DURATION.observe(time.monotonic() - start)
+    finally:
+        lock.release()
     for p in result.problems:
         kopf.warn(body, reason=p.reason, message=p.message)
     metrics.RECONCILES.labels(trigger, "ready" if result.ready else "progressing").inc()
@@ -132,27 +144,41 @@ def on_change(body, **_) -> None:
     _pass(body, "change", retry=True)
 
 
-async def _resync_loop() -> None:
+def _resync_one(body, hook) -> None:
+    _pass(body, "timer", retry=False, hook=hook, wait_for_lock=False)
+
+
+async def _resync_loop(pool: ResyncPool) -> None:
     """Level-based re-reconcile of every LLMDeployment each RESYNC_SECONDS:
     corrects drift and runs the autotuner. A plain loop rather than
     @kopf.timer, which would put a finalizer on every object (and block its
-    deletion whenever the operator is not running)."""
+    deletion whenever the operator is not running). Passes start on a fixed
+    cadence and run in `pool` (bounded, concurrent, off the event loop); a pass
+    does not wait for the previous one's stragglers, which the pool skips."""
+    running: set[asyncio.Task] = set()
+    make_pass_hook = load_pass_hook_factory()
+    next_start = time.monotonic() + RESYNC_SECONDS
     while True:
-        await asyncio.sleep(RESYNC_SECONDS)
+        await asyncio.sleep(max(0.0, next_start - time.monotonic()))
+        next_start = max(next_start + RESYNC_SECONDS, time.monotonic())
         try:
             namespaces = WATCH_NAMESPACES or [None]
             bodies = [b for ns in namespaces for b in await asyncio.to_thread(_kube().list_llmdeployments, ns)]
         except Exception:
             log.exception("resync: listing LLMDeployments failed")
             continue
-        for body in bodies:
-            if not body["metadata"].get("deletionTimestamp"):
-                await asyncio.to_thread(_pass, body, "timer", retry=False)
+        # One autotune hook per pass: every due deployment's Snapshot is cut from one
+        # grouped set of Prometheus queries per URL instead of one set each.
+        hook = make_pass_hook() if make_pass_hook is not None else None
+        task = asyncio.get_running_loop().create_task(pool.run_pass(bodies, hook))
+        running.add(task)
+        task.add_done_callback(running.discard)
 
 
 @kopf.on.startup()
 async def start_resync(memo: kopf.Memo, **_) -> None:
-    memo["resync"] = asyncio.get_running_loop().create_task(_resync_loop())
+    memo["resync_pool"] = pool = ResyncPool(_resync_one, MAX_CONCURRENT_RECONCILES)
+    memo["resync"] = asyncio.get_running_loop().create_task(_resync_loop(pool))
 
 
 @kopf.on.cleanup()
@@ -160,6 +186,9 @@ async def stop_resync(memo: kopf.Memo, **_) -> None:
     task = memo.get("resync")
     if task is not None:
         task.cancel()
+    pool = memo.get("resync_pool")
+    if pool is not None:
+        pool.shutdown()
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY})

@@ -49,11 +49,22 @@ class AutotuneOutcome:
 
 AutotuneHook = Callable[[AutotuneContext], AutotuneOutcome]
 AUTOTUNE_HOOK = ("kvpilot.operator.autotune.hook", "autotune_step")
+# A factory of hooks for one resync pass (sharing one Prometheus read among its deployments).
+PASS_HOOK_FACTORY = ("kvpilot.operator.autotune.hook", "autotune_step_for_pass")
 
 
 def load_autotune_hook() -> AutotuneHook | None:
     """The autotuner plugs in as `kvpilot.operator.autotune.hook.autotune_step`."""
-    module, attr = AUTOTUNE_HOOK
+    return _load(AUTOTUNE_HOOK)
+
+
+def load_pass_hook_factory() -> Callable[[], AutotuneHook] | None:
+    """`kvpilot.operator.autotune.hook.autotune_step_for_pass`: a fresh hook per resync pass."""
+    return _load(PASS_HOOK_FACTORY)
+
+
+def _load(where: tuple[str, str]):
+    module, attr = where
     try:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError):

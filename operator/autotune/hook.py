@@ -25,6 +25,7 @@ spec.autotune.interval, measured from the time of the last decision in status:
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import logging
 import re
 import time
@@ -37,10 +38,12 @@ from ..spec import GROUP, KIND, VERSION, LLMDeploymentSpec
 from ..status import AutotuneStatus, Condition, Effective
 from .capacity import CapacityPlan, plan_capacity
 from .decision import Action, Bounds, Decision, Diagnosis, Range, Settings, Thresholds
+from .fleet_reader import FleetReader, FleetReaders
 from .history import History
 from .planner import observation
 from .policy import prefix_cache_warning, decide
 from .prometheus import PrometheusReader
+from .query_client import connect
 from .report import build_report, history_from_status
 from .signals import Snapshot
 
@@ -75,7 +78,20 @@ def _parse_time(text: str) -> float:
 
 
 def default_reader(url: str) -> Reader:
-    return PrometheusReader.from_url(url, label=SERIES_LABEL)
+    """One deployment's own queries (event-triggered passes)."""
+    return PrometheusReader(connect(url, "deployment"), label=SERIES_LABEL)
+
+
+def fleet_reader(url: str) -> Reader:
+    """One grouped read of every deployment behind `url` (a resync pass)."""
+    return FleetReader(connect(url, "fleet"), label=SERIES_LABEL)
+
+
+def autotune_step_for_pass() -> Callable[[AutotuneContext], AutotuneOutcome]:
+    """The hook for one resync pass: autotune_step reading through FleetReaders that the
+    pass's deployments share (one set of queries per Prometheus URL and window)."""
+    readers = FleetReaders(fleet_reader)
+    return functools.partial(autotune_step, reader_factory=readers.reader_for)
 
 
 def thresholds_for(spec: LLMDeploymentSpec) -> Thresholds:
