@@ -24,6 +24,7 @@ WATCH_NAMESPACES = [n for n in os.environ.get("KVPILOT_WATCH_NAMESPACES", "").sp
 MAX_CONCURRENT_RECONCILES = int(os.environ.get("KVPILOT_MAX_CONCURRENT_RECONCILES",
                                                str(DEFAULT_MAX_CONCURRENT)))  # the CLI sets it
 NOT_READY_DELAY = 10
+KOPF_WORKERS = 8  # kopf's thread pool for the sync handlers (settings.execution.max_workers)
 
 _state: dict = {}
 _locks: dict[tuple[str, str], threading.Lock] = {}
@@ -37,9 +38,19 @@ def _lock(ns: str, name: str) -> threading.Lock:
 
 def _kube() -> Kube:
     if "kube" not in _state:
-        _state["kube"] = Kube()
+        _state["kube"] = Kube(_api_client())
         _state["hook"] = load_autotune_hook()
     return _state["kube"]
+
+
+def _api_client():
+    """An ApiClient whose connection pool holds one connection per thread that may call at
+    once (the resync workers and kopf's), rather than the client's default of 5 per CPU:
+    a full pool drops connections, and each new one costs a TLS handshake."""
+    from kubernetes import client
+    cfg = client.Configuration.get_default_copy()
+    cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, MAX_CONCURRENT_RECONCILES + KOPF_WORKERS)
+    return client.ApiClient(cfg)
 
 
 def load_kube_config() -> None:
@@ -81,7 +92,7 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.batching.error_delays = [1, 2, 5, 10, 30, 60]
-    settings.execution.max_workers = 8
+    settings.execution.max_workers = KOPF_WORKERS
 
 
 def _pass(body, trigger: str, *, retry: bool, hook=None, wait_for_lock: bool = True) -> None:
@@ -177,6 +188,7 @@ async def _resync_loop(pool: ResyncPool) -> None:
 
 @kopf.on.startup()
 async def start_resync(memo: kopf.Memo, **_) -> None:
+    await asyncio.to_thread(_kube)  # made once, before the workers share it
     memo["resync_pool"] = pool = ResyncPool(_resync_one, MAX_CONCURRENT_RECONCILES)
     memo["resync"] = asyncio.get_running_loop().create_task(_resync_loop(pool))
 

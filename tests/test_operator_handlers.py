@@ -80,3 +80,58 @@ def test_a_pass_reconciles_the_freshest_object_not_the_events_body(fake, monkeyp
                         lambda k, b, h: seen.append(b) or SimpleNamespace(problems=[], ready=True))
     handlers.on_change(body({"model": {"source": "builtin:tiny"}}))
     assert seen == [fresh]
+
+
+def test_the_resync_skips_an_object_an_event_pass_holds_and_uses_the_pass_hook(fake, monkeypatch):
+    """A resync reconcile finding the object's lock held (an event-triggered pass doing the
+    same work) skips instead of tying up a worker; otherwise it runs with the pass's hook."""
+    from types import SimpleNamespace
+    fake(ready=True)
+    seen = []
+    monkeypatch.setattr(handlers, "reconcile",
+                        lambda k, b, h: seen.append(h) or SimpleNamespace(problems=[], ready=True))
+    lock = handlers._lock("demo", "tiny")
+    with lock:
+        handlers._resync_one(body({"model": {"source": "builtin:tiny"}}), "the pass's hook")
+    assert seen == []
+    handlers._resync_one(body({"model": {"source": "builtin:tiny"}}), "the pass's hook")
+    assert seen == ["the pass's hook"]
+    assert lock.acquire(blocking=False)  # released after the pass
+    lock.release()
+
+
+def test_the_resync_loop_reconciles_the_fleet_concurrently_with_one_hook_per_pass(fake, monkeypatch):
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from kvpilot.operator.resync import ResyncPool
+    kube = fake(ready=True)
+    fleet = [{**body({}), "metadata": {"name": f"d{i}", "namespace": "demo"}} for i in range(12)]
+    kube.list_llmdeployments = lambda ns=None: fleet
+    hooks = iter(range(100))
+    monkeypatch.setattr(handlers, "load_pass_hook_factory", lambda: lambda: f"hook-{next(hooks)}")
+    monkeypatch.setattr(handlers, "RESYNC_SECONDS", 0.05)
+    barrier = threading.Barrier(4, timeout=10)  # passes only when 4 reconciles run at once
+    seen: list[tuple[str, str]] = []
+    arrivals = iter(range(100))
+
+    def reconcile(k, b, h):
+        if next(arrivals) < 4:  # the first four meet at the barrier
+            barrier.wait()
+        seen.append((b["metadata"]["name"], h))
+        return SimpleNamespace(problems=[], ready=True)
+    monkeypatch.setattr(handlers, "reconcile", reconcile)
+
+    async def scenario():
+        pool = ResyncPool(handlers._resync_one, max_concurrent=4)
+        loop_task = asyncio.create_task(handlers._resync_loop(pool))
+        deadline = asyncio.get_running_loop().time() + 20
+        while len({n for n, _ in seen}) < 12 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        loop_task.cancel()
+        pool.shutdown()
+    asyncio.run(scenario())
+    assert {n for n, _ in seen} == {f"d{i}" for i in range(12)}
+    first_pass = [h for n, h in seen[:12]]
+    assert first_pass == ["hook-0"] * 12  # one hook (one shared Prometheus read) per pass
