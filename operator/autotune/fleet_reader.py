@@ -12,11 +12,13 @@ FleetReader (deployments pointing at different Prometheus servers are read apart
 is then dropped, so the next pass reads fresh data. Concurrent reconciles share it: the
 first one that needs a window's answers queries while the others wait for them. A failed
 read is kept too, so a Prometheus that is down costs one failed set of queries per pass,
-not one per deployment."""
+not one per deployment. The set's queries go out `parallel` at a time: the reconciles that
+wait for them count that wait in their latency."""
 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -53,8 +55,11 @@ class FleetReader:
 
     def __init__(self, client: QueryClient, *, scrape_interval_s: float = 15.0, stale_after_scrapes: float = 3.0,
                  label: str = "llmdeployment", namespace_label: str = "namespace", pod_label: str = "pod",
-                 refusal_metric: str = DEFAULT_REFUSAL_METRIC) -> None:
+                 refusal_metric: str = DEFAULT_REFUSAL_METRIC, parallel: int = 8) -> None:
+        if parallel < 1:
+            raise ValueError(f"parallel must be >= 1, got {parallel!r}")
         self.client = client
+        self.parallel = parallel
         self.stale_after_s = scrape_interval_s * stale_after_scrapes
         self.target = FleetTarget(label, namespace_label, pod_label)
         self.refusal_metric = refusal_metric
@@ -96,14 +101,21 @@ class FleetReader:
         def by_key(result: list[dict]) -> dict[Key, tuple[float, float]]:
             return {key_of(s): _point(s) for s in result}
 
+        values = build_queries(self.target, window_s, self.refusal_metric)
+        newest = build_freshness_queries(self.target, self.refusal_metric)
+        settings = build_settings_queries(self.target)
+        texts = [*values.values(), *newest.values(), *settings.values()]
+        first = query(texts[0])  # alone: a Prometheus that is down fails once, not `parallel` times
+        with ThreadPoolExecutor(max_workers=self.parallel, thread_name_prefix="kvpilot-fleet-read") as pool:
+            results = iter([first, *pool.map(query, texts[1:])])  # the first failure propagates
         out = FleetAnswers()
-        for f, q in build_queries(self.target, window_s, self.refusal_metric).items():
-            out.values[f] = by_key(query(q))
-        for m, q in build_freshness_queries(self.target, self.refusal_metric).items():
-            out.newest[m] = by_key(query(q))
-        for setting, q in build_settings_queries(self.target).items():
+        for f in values:
+            out.values[f] = by_key(next(results))
+        for m in newest:
+            out.newest[m] = by_key(next(results))
+        for setting in settings:
             grouped: dict[Key, list[dict]] = {}
-            for series in query(q):
+            for series in next(results):
                 grouped.setdefault(key_of(series), []).append(series)
             out.settings[setting] = grouped
         return out
