@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvsession import install_operator, log, run_to_exit_code  # noqa: E402
 from localcluster import LocalCluster  # noqa: E402
-from scale_fleet import (OPERATOR_NS, Scrape, fleet, fleet_member, last_decision, mean_between,  # noqa: E402
+from scale_fleet import (OPERATOR_NS, QUERIES_PER_SNAPSHOT, Scrape, fleet, fleet_member, last_decision, mean_between,  # noqa: E402
                          operator_metrics_url, operator_pod, quantile_bound, ready_count)
 
 NAMESPACE = "scale-bench"
@@ -146,7 +146,7 @@ class Bench:
             f"    reconciles that started while another ran: {overlapped:.0f} of {started:.0f}",
             f"    Prometheus queries: operator {q['fleet']:.0f} fleet + {q['deployment']:.0f} per-deployment "
             f"= {(q['fleet'] + q['deployment']) / elapsed:.1f}/s; Prometheus served {prom_q / elapsed:.1f} "
-            f"/api/v1/query requests/s (per-deployment reads would be {n * 52 / a.interval_s:.0f}/s)",
+            f"/api/v1/query requests/s (per-deployment reads would be {n * QUERIES_PER_SNAPSHOT / a.interval_s:.0f}/s)",
             f"    operator: RSS {after.total('process_resident_memory_bytes') / 2**20:.0f} MiB, "
             f"CPU {100 * cpu / elapsed:.0f}% of one core",
         ]

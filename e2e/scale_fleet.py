@@ -15,11 +15,17 @@ import re
 from dataclasses import dataclass
 
 import httpx
+from kvpilot.operator.autotune.prometheus import (Target, build_freshness_queries, build_queries,
+                                                  build_settings_queries)
 
 OPERATOR_NS = "kvpilot-system"
 LLMD = "/apis/serving.kvpilot.dev/v1alpha1/namespaces/{ns}/llmdeployments"
 POD_MEMORY = "192Mi"  # a simulated pod's RSS is about 100 MiB (measured: see the bench)
 POD_CPU = "5m"
+_ONE = Target("n", "d")
+# What the per-deployment reader asks for one Snapshot (the fleet reader asks as many per pass).
+QUERIES_PER_SNAPSHOT = len(build_queries(_ONE, 60)) + len(build_freshness_queries(_ONE)) + \
+    len(build_settings_queries(_ONE))
 
 
 def fleet_member(name: str, namespace: str, prometheus_url: str, interval: str, window: str) -> dict:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from scale_fleet import (Scrape, fleet, fleet_member, last_decision, operator_metrics_url, operator_pod,
+from scale_fleet import (QUERIES_PER_SNAPSHOT, Scrape, fleet, fleet_member, last_decision, operator_metrics_url, operator_pod,
                          quantile_bound, ready_count)
 from test_operator import diagnose, installed_operator
 
@@ -16,7 +16,6 @@ pytestmark = pytest.mark.e2e
 N = 20
 INTERVAL_S, WINDOW = 10, "30s"
 RESYNC_S = 2
-QUERIES_PER_DEPLOYMENT = 52  # what the per-deployment reader asks for one Snapshot
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +66,20 @@ def test_twenty_deployments_are_each_autotuned_every_interval(cluster, scale_ope
                - before.total("kvpilot_operator_prometheus_queries_total", reader="fleet"))
     single_q = (after.total("kvpilot_operator_prometheus_queries_total", reader="deployment")
                 - before.total("kvpilot_operator_prometheus_queries_total", reader="deployment"))
+    steps = (after.total("kvpilot_operator_autotune_diagnoses_total")
+             - before.total("kvpilot_operator_autotune_diagnoses_total"))  # autotune steps taken
+    passes = (after.total("kvpilot_operator_resync_duration_seconds_count")
+              - before.total("kvpilot_operator_resync_duration_seconds_count"))
     rss = after.total("process_resident_memory_bytes")
     print(f"\n[simulated pods] {N} deployments over {elapsed:.0f}s: {timer:.0f} resync reconciles, "
           f"p99 reconcile <= {p99}s of {n}, {overlapping:.0f} reconciles started while another ran, "
-          f"Prometheus queries {fleet_q:.0f} fleet + {single_q:.0f} per-deployment "
-          f"({(fleet_q + single_q) / elapsed:.1f}/s; per-deployment reads would be about "
-          f"{N * QUERIES_PER_DEPLOYMENT / INTERVAL_S:.0f}/s), operator RSS {rss / 2**20:.0f} MiB")
+          f"{steps:.0f} autotune steps in {passes:.0f} resync passes read with {fleet_q:.0f} fleet + "
+          f"{single_q:.0f} per-deployment Prometheus queries ({(fleet_q + single_q) / elapsed:.1f}/s; "
+          f"per-deployment reads: {steps * QUERIES_PER_SNAPSHOT:.0f}), operator RSS {rss / 2**20:.0f} MiB")
     assert timer >= N * elapsed / RESYNC_S * 0.5, "the resync did not reconcile every deployment each pass"
     assert overlapping > 0, "no reconcile ever overlapped another: the resync is serialized"
     assert p99 <= 2.5, f"p99 reconcile latency above 2.5 s: {p99}"
-    # The fleet reader: far fewer queries than one set per deployment per decision.
-    decisions = 2 * N
-    assert fleet_q + single_q < decisions * QUERIES_PER_DEPLOYMENT / 2, (fleet_q, single_q)
+    # The fleet reader: at most one set of queries per pass, far fewer than one set per step.
+    assert steps >= N
+    assert fleet_q <= (passes + 2) * QUERIES_PER_SNAPSHOT, (fleet_q, passes)  # + passes in flight
+    assert fleet_q + single_q < steps * QUERIES_PER_SNAPSHOT / 2, (fleet_q, single_q, steps)
