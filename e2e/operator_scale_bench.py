@@ -125,6 +125,10 @@ class Bench:
         started = conc[math.inf] - conc0.get(math.inf, 0)
         overlapped = started - (conc[1.0] - conc0.get(1.0, 0))
         pass_mean = mean_between(before, after, "kvpilot_operator_resync_duration_seconds")
+        api = {m: after.total("kvpilot_operator_api_requests_total", method=m)
+               - before.total("kvpilot_operator_api_requests_total", method=m)
+               for m in ("GET", "PATCH", "DELETE", "POST")}
+        api_line = ", ".join(f"{m} {v:.0f}" for m, v in api.items() if v)
         rows = [
             "operator scale benchmark (simulated pods: h100-80gb/llama-3.1-8b, 1 replica each, Auto)",
             f"  host: {Path('/proc/cpuinfo').read_text().count('processor')} CPUs, "
@@ -144,6 +148,8 @@ class Bench:
             f"per resync period); mean resync pass {pass_mean:.2f}s",
             f"    reconcile latency ({count} passes): p50 <= {p50}s, p99 <= {p99}s (histogram bucket bounds)",
             f"    reconciles that started while another ran: {overlapped:.0f} of {started:.0f}",
+            f"    Kubernetes API requests from the reconciles: {sum(api.values()) / elapsed:.1f}/s, "
+            f"{sum(api.values()) / max(count, 1):.1f} per reconcile ({api_line})",
             f"    Prometheus queries: operator {q['fleet']:.0f} fleet + {q['deployment']:.0f} per-deployment "
             f"= {(q['fleet'] + q['deployment']) / elapsed:.1f}/s; Prometheus served {prom_q / elapsed:.1f} "
             f"/api/v1/query requests/s (per-deployment reads would be {n * QUERIES_PER_SNAPSHOT / a.interval_s:.0f}/s)",

@@ -35,3 +35,6 @@ RECONCILE_QUEUE_WAIT = Histogram("kvpilot_operator_reconcile_queue_seconds",
 RECONCILE_CONCURRENCY = Histogram("kvpilot_operator_reconcile_concurrency",
                                   "Resync reconciles running at the moment one starts (itself included)",
                                   buckets=(1, 2, 4, 8, 16, 32, 64))
+API_REQUESTS = Counter("kvpilot_operator_api_requests_total",
+                       "Kubernetes API requests the reconciles made (not kopf's own watches), by method",
+                       ["method"])

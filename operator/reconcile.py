@@ -174,7 +174,10 @@ def reconcile(kube: Kube, body, hook: AutotuneHook | None = None) -> Result:
                          selector=selector_string(owner), kv_cache_usage_percent=kv,
                          simulated=simulated_summary(spec), extra_conditions=autotune_conditions,
                          ready_note=f"simulated {sim.accelerator}" if sim is not None else None)
-    write_status(kube, owner, status)
+    if status.dump() != prev.dump():
+        # Unchanged (most resync passes between autotune intervals): no write, so no request
+        # and no watch event for the operator's own watch and every other watcher.
+        write_status(kube, owner, status)
     return Result(status, problems)
 
 

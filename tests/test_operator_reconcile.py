@@ -189,3 +189,18 @@ def test_replicas_follow_spec_replicas_and_autotuner_conditions_persist():
     spec["autotune"]["mode"] = "Off"
     off = reconcile(FakeKube(), body(spec, r.status.dump()), lambda ctx: AutotuneOutcome({"diagnosis": "Healthy"}))
     assert off.status.condition("PrefixCacheIneffective") is None
+
+
+def test_an_unchanged_status_is_not_written_again():
+    """A resync pass that changes nothing writes no status: no request, no watch event."""
+    kube = FakeKube()
+    reconcile(kube, body({"model": {"source": "builtin:tiny"}}))
+    written = kube.applied[-1][0]["status"]
+    kube.applied.clear()
+    reconcile(kube, body({"model": {"source": "builtin:tiny"}}, status=written))
+    assert kinds(kube) == ["ConfigMap", "Deployment", "Service"]  # the owned objects still applied
+    kube.applied.clear()
+    changed = {**written, "observedGeneration": 2}  # a new generation: status must follow
+    reconcile(kube, body({"model": {"source": "builtin:tiny"}}, status=changed))
+    assert kinds(kube) == ["ConfigMap", "Deployment", "Service", "LLMDeployment"]
+    assert kube.applied[-1][0]["status"]["observedGeneration"] == 3
