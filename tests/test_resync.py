@@ -160,7 +160,7 @@ def test_the_bound_is_validated(bad):
         ResyncPool(Recorder(), max_concurrent=bad)
 
 
-def test_the_cli_flag_and_chart_value(tmp_path):
+def test_the_cli_flag():
     import argparse
 
     from kvpilot.operator import cli
