@@ -99,12 +99,14 @@ def operator_pods(kube) -> list[dict]:
         c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]
 
 
-def install_operator(cluster: LocalCluster, resync_s: int = 5) -> None:
+def install_operator(cluster: LocalCluster, resync_s: int = 5, values: dict | None = None) -> None:
     """The chart rendered with the built helm and applied (CRD first); waits for the
-    operator pod. Re-applying over an earlier install is harmless."""
+    operator pod. Re-applying over an earlier install is harmless. `values`: more chart
+    values (--set NAME=VALUE)."""
     helm = helm_binary()
+    extra = [a for k, v in (values or {}).items() for a in ("--set", f"{k}={v}")]
     out = subprocess.run([helm, "template", RELEASE, str(CHART), "-n", OPERATOR_NS, "--include-crds",
-                          "--set", f"resyncInterval={resync_s}", "--set", "logLevel=INFO"],
+                          "--set", f"resyncInterval={resync_s}", "--set", "logLevel=INFO", *extra],
                          capture_output=True, text=True)
     if out.returncode != 0:
         raise SetupError(f"helm template failed: {out.stderr.strip()}")

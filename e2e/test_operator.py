@@ -106,12 +106,14 @@ def diagnose(cluster, ns: str) -> str:
 
 # --- fixtures --------------------------------------------------------------------
 @contextlib.contextmanager
-def installed_operator(cluster, wait_for, resync_interval: float = 10):
+def installed_operator(cluster, wait_for, resync_interval: float = 10, values: dict | None = None):
     """The chart installed (CRD, RBAC, ServiceAccount, operator Deployment); the operator pod
-    Ready; yields the cluster's Kube. Shared with e2e/test_autotune.py."""
+    Ready; yields the cluster's Kube. Shared with e2e/test_autotune.py. `values`: more
+    chart values (--set NAME=VALUE)."""
     helm = helm_binary()
+    extra = [a for k, v in (values or {}).items() for a in ("--set", f"{k}={v}")]
     out = subprocess.run([helm, "template", RELEASE, str(CHART), "-n", OPERATOR_NS, "--include-crds",
-                          "--set", f"resyncInterval={resync_interval}", "--set", "logLevel=INFO"],
+                          "--set", f"resyncInterval={resync_interval}", "--set", "logLevel=INFO", *extra],
                          capture_output=True, text=True, check=True).stdout
     docs = [d for d in yaml.safe_load_all(out) if d]
     crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]

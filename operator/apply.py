@@ -6,6 +6,7 @@ import json
 import logging
 from datetime import datetime, timezone
 
+from . import metrics
 from .objects import FIELD_MANAGER
 from .spec import GROUP, KIND, PLURAL, VERSION
 
@@ -43,6 +44,7 @@ class Kube:
     def _call(self, method: str, path: str, body=None, query=None, content_type="application/json"):
         """One request; ApiException for an error status, the decoded JSON otherwise."""
         from kubernetes.client.exceptions import ApiException
+        metrics.API_REQUESTS.labels(method).inc()
         headers = {"Content-Type": content_type, "Accept": "application/json"}
         if not hasattr(self.api, "param_serialize"):  # kubernetes < 35: the older generator
             return self.api.call_api(path, method, query_params=query or [], body=body, header_params=headers,

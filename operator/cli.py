@@ -29,6 +29,9 @@ def add_parser(subparsers) -> None:
                     help="seconds the leader keeps trying to renew before it gives up (and exits)")
     le.add_argument("--leader-elect-retry-period", type=float, default=2.0,
                     help="seconds between attempts to acquire or renew")
+    p.add_argument("--max-concurrent-reconciles", type=_positive_int, default=8,
+                   help="resync reconciles running at once (each in a worker thread); one object never "
+                        "has two at once")
     p.set_defaults(func=_cmd_operator)
 
     p = subparsers.add_parser("crd", help="print the LLMDeployment CRD (YAML)")
@@ -37,6 +40,13 @@ def add_parser(subparsers) -> None:
     from .autotune import simulate_cli
 
     simulate_cli.add_parser(subparsers)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--max-concurrent-reconciles must be >= 1, got {value}")
+    return value
 
 
 def _cmd_crd(args: argparse.Namespace) -> int:
@@ -48,6 +58,7 @@ def _cmd_crd(args: argparse.Namespace) -> int:
 
 def _cmd_operator(args: argparse.Namespace) -> int:
     os.environ["KVPILOT_RESYNC_SECONDS"] = str(args.resync_interval)
+    os.environ["KVPILOT_MAX_CONCURRENT_RECONCILES"] = str(args.max_concurrent_reconciles)
     os.environ["KVPILOT_WATCH_NAMESPACES"] = ",".join(args.namespace or [])
     import kopf
 

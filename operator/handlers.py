@@ -4,6 +4,7 @@ problems). Imported only by `kvpilot operator` (it registers on import)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -15,14 +16,19 @@ import kopf
 from . import metrics
 from .apply import Conflict, Kube
 from .objects import INSTANCE_LABEL, MANAGED_BY
-from .reconcile import load_autotune_hook, reconcile, write_invalid
+from .deployment_metrics import DeploymentMetrics
+from .reconcile import load_autotune_hook, load_pass_hook_factory, parse_spec, reconcile, write_invalid
+from .resync import DEFAULT_MAX_CONCURRENT, ResyncPool
 from .spec import GROUP, KIND, PLURAL, VERSION, InvalidSpec
 from .status import LLMDeploymentStatus
 
 log = logging.getLogger(__name__)
 RESYNC_SECONDS = float(os.environ.get("KVPILOT_RESYNC_SECONDS", "30"))  # the CLI sets it
 WATCH_NAMESPACES = [n for n in os.environ.get("KVPILOT_WATCH_NAMESPACES", "").split(",") if n]
+MAX_CONCURRENT_RECONCILES = int(os.environ.get("KVPILOT_MAX_CONCURRENT_RECONCILES",
+                                               str(DEFAULT_MAX_CONCURRENT)))  # the CLI sets it
 NOT_READY_DELAY = 10
+KOPF_WORKERS = 8  # kopf's thread pool for the sync handlers (settings.execution.max_workers)
 
 _state: dict = {}
 _locks: dict[tuple[str, str], threading.Lock] = {}
@@ -36,9 +42,20 @@ def _lock(ns: str, name: str) -> threading.Lock:
 
 def _kube() -> Kube:
     if "kube" not in _state:
-        _state["kube"] = Kube()
+        _state["kube"] = Kube(_api_client())
         _state["hook"] = load_autotune_hook()
+        _state["deployment_metrics"] = DeploymentMetrics()
     return _state["kube"]
+
+
+def _api_client():
+    """An ApiClient whose connection pool holds one connection per thread that may call at
+    once (the resync workers and kopf's), rather than the client's default of 5 per CPU:
+    a full pool drops connections, and each new one costs a TLS handshake."""
+    from kubernetes import client
+    cfg = client.Configuration.get_default_copy()
+    cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, MAX_CONCURRENT_RECONCILES + KOPF_WORKERS)
+    return client.ApiClient(cfg)
 
 
 def load_kube_config() -> None:
@@ -80,7 +97,7 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.batching.error_delays = [1, 2, 5, 10, 30, 60]
-    settings.execution.max_workers = 8
+    settings.execution.max_workers = KOPF_WORKERS
 
 
 def _leading(memo) -> Callable[[], bool] | None:
@@ -89,15 +106,23 @@ def _leading(memo) -> Callable[[], bool] | None:
     return memo.get("leading") if memo is not None else None
 
 
-def _pass(body, trigger: str, *, retry: bool, leading: Callable[[], bool] | None = None) -> None:
-    """One reconcile under the object's lock, with metrics and error mapping. With leader
-    election, a process that cannot be sure it still holds the Lease (it was frozen past
-    the renew deadline) writes nothing: it is about to exit, and a new leader may be at work."""
+def _pass(body, trigger: str, *, retry: bool, hook=None, wait_for_lock: bool = True,
+          leading: Callable[[], bool] | None = None) -> None:
+    """One reconcile under the object's lock, with metrics and error mapping. `hook`
+    replaces the autotune hook (the resync's, sharing one Prometheus read per pass);
+    without `wait_for_lock`, a pass that finds the lock held skips (the resync: the
+    holder is an event-triggered pass doing the same work). With leader election, a
+    process that cannot be sure it still holds the Lease (it was frozen past the renew
+    deadline) writes nothing: it is about to exit, and a new leader may be at work."""
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     kube = _kube()
+    lock = _lock(ns, name)
+    if not lock.acquire(blocking=wait_for_lock):
+        metrics.RESYNC_SKIPPED.labels("locked").inc()
+        return
     start = time.monotonic()
     current = body
-    with _lock(ns, name):
+    try:
         if leading is not None and not leading():
             metrics.RECONCILES.labels(trigger, "not-leader").inc()
             log.warning("not reconciling %s/%s: leadership is no longer certain", ns, name)
@@ -107,7 +132,7 @@ def _pass(body, trigger: str, *, retry: bool, leading: Callable[[], bool] | None
             # carried may predate the status the previous pass wrote (the autotuner's history
             # lives there), and reconciling from it would write that older status back.
             current = kube.get(f"{GROUP}/{VERSION}", KIND, ns, name) or body
-            result = reconcile(kube, current, _state.get("hook"))
+            result = reconcile(kube, current, hook or _state.get("hook"))
         except InvalidSpec as e:
             metrics.RECONCILES.labels(trigger, "invalid").inc()
             metrics.ERRORS.labels("InvalidSpec").inc()
@@ -132,6 +157,9 @@ def _pass(body, trigger: str, *, retry: bool, leading: Callable[[], bool] | None
             return
         finally:
             metrics.DURATION.observe(time.monotonic() - start)
+    finally:
+        lock.release()
+    _state["deployment_metrics"].record(ns, name, parse_spec(current), result.status)
     for p in problems_to_announce(current, result):
         kopf.warn(body, reason=p.reason, message=p.message)
     metrics.RECONCILES.labels(trigger, "ready" if result.ready else "progressing").inc()
@@ -159,27 +187,45 @@ def on_change(body, memo=None, **_) -> None:
     _pass(body, "change", retry=True, leading=_leading(memo))
 
 
-async def _resync_loop(leading: Callable[[], bool] | None = None) -> None:
+def _resync_one(body, hook, leading: Callable[[], bool] | None = None) -> None:
+    _pass(body, "timer", retry=False, hook=hook, wait_for_lock=False, leading=leading)
+
+
+async def _resync_loop(pool: ResyncPool) -> None:
     """Level-based re-reconcile of every LLMDeployment each RESYNC_SECONDS:
     corrects drift and runs the autotuner. A plain loop rather than
     @kopf.timer, which would put a finalizer on every object (and block its
-    deletion whenever the operator is not running)."""
+    deletion whenever the operator is not running). Passes start on a fixed
+    cadence and run in `pool` (bounded, concurrent, off the event loop); a pass
+    does not wait for the previous one's stragglers, which the pool skips."""
+    running: set[asyncio.Task] = set()
+    make_pass_hook = load_pass_hook_factory()
+    next_start = time.monotonic() + RESYNC_SECONDS
     while True:
-        await asyncio.sleep(RESYNC_SECONDS)
+        await asyncio.sleep(max(0.0, next_start - time.monotonic()))
+        next_start = max(next_start + RESYNC_SECONDS, time.monotonic())
         try:
             namespaces = WATCH_NAMESPACES or [None]
             bodies = [b for ns in namespaces for b in await asyncio.to_thread(_kube().list_llmdeployments, ns)]
+            _state["deployment_metrics"].keep_only(  # a deleted deployment's series go with it
+                {(b["metadata"]["namespace"], b["metadata"]["name"]) for b in bodies})
         except Exception:
             log.exception("resync: listing LLMDeployments failed")
             continue
-        for body in bodies:
-            if not body["metadata"].get("deletionTimestamp"):
-                await asyncio.to_thread(_pass, body, "timer", retry=False, leading=leading)
+        # One autotune hook per pass: every due deployment's Snapshot is cut from one
+        # grouped set of Prometheus queries per URL instead of one set each.
+        hook = make_pass_hook() if make_pass_hook is not None else None
+        task = asyncio.get_running_loop().create_task(pool.run_pass(bodies, hook))
+        running.add(task)
+        task.add_done_callback(running.discard)
 
 
 @kopf.on.startup()
 async def start_resync(memo: kopf.Memo, **_) -> None:
-    memo["resync"] = asyncio.get_running_loop().create_task(_resync_loop(_leading(memo)))
+    await asyncio.to_thread(_kube)  # made once, before the workers share it
+    resync_one = functools.partial(_resync_one, leading=_leading(memo))
+    memo["resync_pool"] = pool = ResyncPool(resync_one, MAX_CONCURRENT_RECONCILES)
+    memo["resync"] = asyncio.get_running_loop().create_task(_resync_loop(pool))
 
 
 @kopf.on.cleanup()
@@ -187,6 +233,9 @@ async def stop_resync(memo: kopf.Memo, **_) -> None:
     task = memo.get("resync")
     if task is not None:
         task.cancel()
+    pool = memo.get("resync_pool")
+    if pool is not None:
+        pool.shutdown()
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY})

@@ -19,3 +19,26 @@ AUTOTUNE_WARNINGS = Counter("kvpilot_operator_autotune_warnings_total",
                             "Diagnose-only autotuner warnings raised, by reason", ["reason"])
 LEADER = Gauge("kvpilot_operator_leader",
                "1 while this operator process holds the leader-election Lease (and reconciles), else 0")
+PROMETHEUS_QUERIES = Counter("kvpilot_operator_prometheus_queries_total",
+                             "Prometheus queries the autotuner made, by reader (deployment|fleet) and outcome",
+                             ["reader", "outcome"])
+PROMETHEUS_QUERY_DURATION = Histogram("kvpilot_operator_prometheus_query_duration_seconds",
+                                      "Duration of the autotuner's Prometheus queries, by reader", ["reader"],
+                                      buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10))
+RESYNC_PASSES = Histogram("kvpilot_operator_resync_duration_seconds",
+                          "Duration of a resync pass over every LLMDeployment (list to last reconcile done)",
+                          buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+RESYNC_SKIPPED = Counter("kvpilot_operator_resync_skipped_total",
+                         "LLMDeployments a resync pass skipped, by reason (in_flight: its previous pass is "
+                         "still queued or running; locked: an event-triggered pass holds its lock)", ["reason"])
+RECONCILES_IN_FLIGHT = Gauge("kvpilot_operator_reconciles_in_flight",
+                             "Resync reconciles queued or running now")
+RECONCILE_QUEUE_WAIT = Histogram("kvpilot_operator_reconcile_queue_seconds",
+                                 "Time a resync reconcile waited for a worker (the concurrency bound)",
+                                 buckets=(0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60))
+RECONCILE_CONCURRENCY = Histogram("kvpilot_operator_reconcile_concurrency",
+                                  "Resync reconciles running at the moment one starts (itself included)",
+                                  buckets=(1, 2, 4, 8, 16, 32, 64))
+API_REQUESTS = Counter("kvpilot_operator_api_requests_total",
+                       "Kubernetes API requests the reconciles made (not kopf's own watches), by method",
+                       ["method"])

@@ -56,11 +56,22 @@ class AutotuneOutcome:
 
 AutotuneHook = Callable[[AutotuneContext], AutotuneOutcome]
 AUTOTUNE_HOOK = ("kvpilot.operator.autotune.hook", "autotune_step")
+# A factory of hooks for one resync pass (sharing one Prometheus read among its deployments).
+PASS_HOOK_FACTORY = ("kvpilot.operator.autotune.hook", "autotune_step_for_pass")
 
 
 def load_autotune_hook() -> AutotuneHook | None:
     """The autotuner plugs in as `kvpilot.operator.autotune.hook.autotune_step`."""
-    module, attr = AUTOTUNE_HOOK
+    return _load(AUTOTUNE_HOOK)
+
+
+def load_pass_hook_factory() -> Callable[[], AutotuneHook] | None:
+    """`kvpilot.operator.autotune.hook.autotune_step_for_pass`: a fresh hook per resync pass."""
+    return _load(PASS_HOOK_FACTORY)
+
+
+def _load(where: tuple[str, str]):
+    module, attr = where
     try:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError):
@@ -177,7 +188,10 @@ def reconcile(kube: Kube, body, hook: AutotuneHook | None = None) -> Result:
                           selector=selector_string(owner), kv_cache_usage_percent=kv,
                           simulated=simulated_summary(spec), extra_conditions=autotune_conditions,
                           ready_note=ready_note)
-    write_status(kube, owner, decided)
+    if decided.dump() != prev.dump():
+        # Unchanged (most resync passes between autotune intervals): no write, so no request
+        # and no watch event for the operator's own watch and every other watcher.
+        write_status(kube, owner, decided)
     if announce is not None:  # the Event and counter of a change the status now holds
         announce()
     if new_decision(prev, decided):

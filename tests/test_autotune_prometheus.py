@@ -213,5 +213,6 @@ def test_from_url_builds_a_prometheus_connect():
     from prometheus_api_client import PrometheusConnect
 
     reader = PrometheusReader.from_url("http://127.0.0.1:9", scrape_interval_s=5)
-    assert isinstance(reader.client, PrometheusConnect)
+    assert isinstance(reader.client.inner, PrometheusConnect)  # counted: kvpilot_operator_prometheus_queries
+    assert reader.client.url == reader.url == "http://127.0.0.1:9"
     assert math.isclose(reader.stale_after_s, 15.0)

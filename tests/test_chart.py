@@ -109,3 +109,13 @@ def test_chart_installs_the_generated_crd(helm):
     docs = render(helm, "--include-crds")
     (crd,) = by_kind(docs)["CustomResourceDefinition"]
     assert crd == build_crd()
+
+
+def test_max_concurrent_reconciles_value(helm):
+    def args(*set_args: str) -> list[str]:
+        (dep,) = by_kind(render(helm, *set_args))["Deployment"]
+        return dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--max-concurrent-reconciles=8" in args()
+    assert "--max-concurrent-reconciles=16" in args("--set", "maxConcurrentReconciles=16")
+    with pytest.raises(subprocess.CalledProcessError):
+        render(helm, "--set", "maxConcurrentReconciles=0")  # the values schema refuses it

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 kopf = pytest.importorskip("kopf")
 
 from kvpilot.operator import handlers  # noqa: E402
+from kvpilot.operator.deployment_metrics import DeploymentMetrics  # noqa: E402
+from kvpilot.operator.status import LLMDeploymentStatus  # noqa: E402
 
 
 class FakeKube:
@@ -33,7 +36,8 @@ class FakeKube:
 def fake(monkeypatch):
     def make(ready: bool) -> FakeKube:
         kube = FakeKube(ready)
-        monkeypatch.setattr(handlers, "_state", {"kube": kube, "hook": None})
+        metrics = DeploymentMetrics(CollectorRegistry())
+        monkeypatch.setattr(handlers, "_state", {"kube": kube, "hook": None, "deployment_metrics": metrics})
         monkeypatch.setattr(kopf, "warn", lambda *a, **k: None)
         return kube
     return make
@@ -80,7 +84,8 @@ def test_a_pass_reconciles_the_freshest_object_not_the_events_body(fake, monkeyp
     kube.get = lambda api_version, kind, ns, name: fresh if kind == "LLMDeployment" else None
     seen = []
     monkeypatch.setattr(handlers, "reconcile",
-                        lambda k, b, h: seen.append(b) or SimpleNamespace(problems=[], ready=True))
+                        lambda k, b, h: seen.append(b) or SimpleNamespace(problems=[], ready=True,
+                                                                          status=LLMDeploymentStatus()))
     handlers.on_change(body({"model": {"source": "builtin:tiny"}}))
     assert seen == [fresh]
 
@@ -120,3 +125,69 @@ def test_a_process_unsure_of_its_leadership_writes_nothing(fake):
     assert kube.applied == []
     assert REGISTRY.get_sample_value("kvpilot_operator_reconciles_total",
                                      {"trigger": "change", "result": "not-leader"}) >= 1
+
+
+def test_the_resync_skips_an_object_an_event_pass_holds_and_uses_the_pass_hook(fake, monkeypatch):
+    """A resync reconcile finding the object's lock held (an event-triggered pass doing the
+    same work) skips instead of tying up a worker; otherwise it runs with the pass's hook."""
+    from types import SimpleNamespace
+    fake(ready=True)
+    seen = []
+    monkeypatch.setattr(handlers, "reconcile",
+                        lambda k, b, h: seen.append(h) or SimpleNamespace(problems=[], ready=True,
+                                                                          status=LLMDeploymentStatus()))
+    lock = handlers._lock("demo", "tiny")
+    with lock:
+        handlers._resync_one(body({"model": {"source": "builtin:tiny"}}), "the pass's hook")
+    assert seen == []
+    handlers._resync_one(body({"model": {"source": "builtin:tiny"}}), "the pass's hook")
+    assert seen == ["the pass's hook"]
+    assert lock.acquire(blocking=False)  # released after the pass
+    lock.release()
+
+
+def test_the_resync_loop_reconciles_the_fleet_concurrently_with_one_hook_per_pass(fake, monkeypatch):
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from kvpilot.operator.resync import ResyncPool
+    kube = fake(ready=True)
+    fleet = [{**body({}), "metadata": {"name": f"d{i}", "namespace": "demo"}} for i in range(12)]
+    kube.list_llmdeployments = lambda ns=None: fleet
+    hooks = iter(range(100))
+    monkeypatch.setattr(handlers, "load_pass_hook_factory", lambda: lambda: f"hook-{next(hooks)}")
+    monkeypatch.setattr(handlers, "RESYNC_SECONDS", 0.05)
+    barrier = threading.Barrier(4, timeout=10)  # passes only when 4 reconciles run at once
+    seen: list[tuple[str, str]] = []
+    arrivals = iter(range(100))
+
+    def reconcile(k, b, h):
+        if next(arrivals) < 4:  # the first four meet at the barrier
+            barrier.wait()
+        seen.append((b["metadata"]["name"], h))
+        return SimpleNamespace(problems=[], ready=True, status=LLMDeploymentStatus())
+    monkeypatch.setattr(handlers, "reconcile", reconcile)
+
+    async def scenario():
+        pool = ResyncPool(handlers._resync_one, max_concurrent=4)
+        loop_task = asyncio.create_task(handlers._resync_loop(pool))
+        deadline = asyncio.get_running_loop().time() + 20
+        while len({n for n, _ in seen}) < 12 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        loop_task.cancel()
+        pool.shutdown()
+    asyncio.run(scenario())
+    assert {n for n, _ in seen} == {f"d{i}" for i in range(12)}
+    first_pass = [h for n, h in seen[:12]]
+    assert first_pass == ["hook-0"] * 12  # one hook (one shared Prometheus read) per pass
+
+
+def test_a_pass_records_the_deployments_series(fake):
+    fake(ready=True)
+    handlers._pass(body({"model": {"source": "builtin:tiny"}, "engine": {"maxNumSeqs": 24}}), "timer", retry=False)
+    registry = handlers._state["deployment_metrics"].registry
+    labels = {"llmdeployment_namespace": "demo", "llmdeployment": "tiny"}
+    assert registry.get_sample_value("kvpilot_operator_setting", {**labels, "setting": "max_num_seqs"}) == 24
+    assert registry.get_sample_value("kvpilot_operator_condition", {**labels, "condition": "Ready", "status": "True",
+                                                                     "reason": "AllReplicasReady"}) == 1

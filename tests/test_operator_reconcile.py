@@ -17,10 +17,12 @@ class FakeKube:
 
     def apply(self, manifest, subresource=""):
         self.applied.append((manifest, subresource))
-        if manifest["kind"] == "Deployment":
-            return {**manifest, "metadata": {**manifest["metadata"], "generation": 1},
-                    "status": {"observedGeneration": 1, "replicas": 1, "readyReplicas": 1,
-                               "updatedReplicas": 1, "availableReplicas": 1}}
+        if manifest["kind"] == "Deployment":  # kept, as the API server keeps it, for the next pass's get
+            stored = {**manifest, "metadata": {**manifest["metadata"], "generation": 1},
+                      "status": {"observedGeneration": 1, "replicas": 1, "readyReplicas": 1,
+                                 "updatedReplicas": 1, "availableReplicas": 1}}
+            self.objects[("Deployment", manifest["metadata"]["name"])] = stored
+            return stored
         return manifest
 
     def get(self, api_version, kind, ns, name):
@@ -194,3 +196,19 @@ def test_replicas_follow_spec_replicas_and_autotuner_conditions_persist():
     spec["autotune"]["mode"] = "Off"
     off = reconcile(FakeKube(), body(spec, r.status.dump()), lambda ctx: AutotuneOutcome({"diagnosis": "Healthy"}))
     assert off.status.condition("PrefixCacheIneffective") is None
+
+
+def test_an_unchanged_status_is_not_written_again():
+    """A resync pass that changes nothing writes no status: no request, no watch event."""
+    kube = FakeKube()
+    reconcile(kube, body({"model": {"source": "builtin:tiny"}}))
+    written = kube.applied[-1][0]["status"]
+    kube.applied.clear()
+    reconcile(kube, body({"model": {"source": "builtin:tiny"}}, status=written))
+    assert kinds(kube) == ["ConfigMap", "Deployment", "Service"]  # the owned objects still applied
+    kube.applied.clear()
+    changed = {**written, "observedGeneration": 2}  # a new generation: status must follow
+    reconcile(kube, body({"model": {"source": "builtin:tiny"}}, status=changed))
+    assert kinds(kube)[1:] == ["ConfigMap", "Deployment", "Service", "LLMDeployment"]
+    assert kube.applied[-1][0]["status"]["observedGeneration"] == 3
+    assert kube.applied[-1][0]["status"]["observedGeneration"] == 3

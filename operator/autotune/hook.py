@@ -42,11 +42,13 @@ from ..spec import GROUP, KIND, VERSION, LLMDeploymentSpec
 from ..status import AutotuneStatus, Condition, Effective
 from .capacity import CapacityPlan, plan_capacity
 from .decision import Action, Bounds, Decision, Diagnosis, Range, Settings, Thresholds
+from .fleet_reader import FleetReader, FleetReaders
 from .history import History
 from .planner import observation
 from .policy import prefix_cache_warning, decide
 from .metrics_condition import METRICS_CONDITION, metrics_condition
 from .prometheus import PrometheusReader
+from .query_client import connect
 from .report import build_report, history_from_status
 from .signals import Snapshot
 
@@ -81,7 +83,20 @@ def _parse_time(text: str) -> float:
 
 
 def default_reader(url: str) -> Reader:
-    return PrometheusReader.from_url(url, label=SERIES_LABEL)
+    """One deployment's own queries (event-triggered passes)."""
+    return PrometheusReader(connect(url, "deployment"), label=SERIES_LABEL)
+
+
+def fleet_reader(url: str) -> Reader:
+    """One grouped read of every deployment behind `url` (a resync pass)."""
+    return FleetReader(connect(url, "fleet"), label=SERIES_LABEL)
+
+
+def autotune_step_for_pass() -> Callable[[AutotuneContext], AutotuneOutcome]:
+    """The hook for one resync pass: autotune_step reading through FleetReaders that the
+    pass's deployments share (one set of queries per Prometheus URL and window)."""
+    readers = FleetReaders(fleet_reader)
+    return functools.partial(autotune_step, reader_factory=readers.reader_for)
 
 
 def thresholds_for(spec: LLMDeploymentSpec) -> Thresholds:

@@ -120,28 +120,60 @@ class Target:
     def selector(self) -> str:
         return f'{self.namespace_label}="{_escape(self.namespace)}",{self.label}="{_escape(self.name)}"'
 
+    @property
+    def grouping(self) -> tuple[str, ...]:
+        """Labels the aggregations keep: none, the selector picks one deployment."""
+        return ()
 
-def build_queries(target: Target, window_s: float, refusal_metric: str = DEFAULT_REFUSAL_METRIC) -> dict[str, str]:
-    """Snapshot field -> PromQL (instant queries evaluated at the window's end)."""
-    sel, w = target.selector, duration(window_s)
+
+@dataclass(frozen=True)
+class FleetTarget:
+    """Every deployment's series at once: the same aggregations kept apart by
+    (namespace, deployment label), so one query answers for the whole fleet."""
+
+    label: str = "llmdeployment"
+    namespace_label: str = "namespace"
+    pod_label: str = "pod"
+
+    @property
+    def selector(self) -> str:
+        return f'{self.label}!=""'
+
+    @property
+    def grouping(self) -> tuple[str, ...]:
+        return (self.namespace_label, self.label)
+
+
+def _aggregate(op: str, grouping: tuple[str, ...], extra: tuple[str, ...] = ()) -> str:
+    """`sum` or `sum by (le, namespace, llmdeployment) ` (the argument follows in parentheses)."""
+    labels = extra + grouping
+    return f"{op} by ({', '.join(labels)}) " if labels else op
+
+
+def build_queries(target: Target | FleetTarget, window_s: float,
+                  refusal_metric: str = DEFAULT_REFUSAL_METRIC) -> dict[str, str]:
+    """Snapshot field -> PromQL (instant queries evaluated at the window's end). A
+    FleetTarget gives the same expressions grouped by deployment."""
+    sel, w, by = target.selector, duration(window_s), target.grouping
+    sum_, avg, max_, min_ = (_aggregate(op, by) for op in ("sum", "avg", "max", "min"))
 
     def rate(metric: str) -> str:
-        return f"sum(rate({metric}{{{sel}}}[{w}]))"
+        return f"{sum_}(rate({metric}{{{sel}}}[{w}]))"
 
-    def quantile(q: float, hist: str) -> str:
-        return f"histogram_quantile({q}, sum by (le) (rate({hist}_bucket{{{sel}}}[{w}])))"
+    def quantile(q: float, hist: str, extra: str = "") -> str:
+        return f"histogram_quantile({q}, {_aggregate('sum', by, ('le',))}(rate({hist}_bucket{{{sel}{extra}}}[{w}])))"
 
     return {
-        "kv_usage_mean": f"avg(avg_over_time(vllm:kv_cache_usage_perc{{{sel}}}[{w}]))",
-        "kv_usage_max": f"max(max_over_time(vllm:kv_cache_usage_perc{{{sel}}}[{w}]))",
+        "kv_usage_mean": f"{avg}(avg_over_time(vllm:kv_cache_usage_perc{{{sel}}}[{w}]))",
+        "kv_usage_max": f"{max_}(max_over_time(vllm:kv_cache_usage_perc{{{sel}}}[{w}]))",
         "preemptions_per_s": rate("vllm:num_preemptions_total"),
         "queue_time_p95_s": quantile(0.95, "vllm:request_queue_time_seconds"),
         "ttft_p95_s": quantile(0.95, "vllm:time_to_first_token_seconds"),
         "tpot_p95_s": quantile(0.95, "vllm:request_time_per_output_token_seconds"),
         "generation_tokens_per_s": rate("vllm:generation_tokens_total"),
-        "running_min": f"sum(min_over_time(vllm:num_requests_running{{{sel}}}[{w}]))",
-        "num_waiting": f"sum(avg_over_time(vllm:num_requests_waiting{{{sel}}}[{w}]))",
-        "num_running": f"sum(avg_over_time(vllm:num_requests_running{{{sel}}}[{w}]))",
+        "running_min": f"{sum_}(min_over_time(vllm:num_requests_running{{{sel}}}[{w}]))",
+        "num_waiting": f"{sum_}(avg_over_time(vllm:num_requests_waiting{{{sel}}}[{w}]))",
+        "num_running": f"{sum_}(avg_over_time(vllm:num_requests_running{{{sel}}}[{w}]))",
         "request_rate_per_s": rate("vllm:e2e_request_latency_seconds_count"),
         "request_latency_mean_s": (f"{rate('vllm:e2e_request_latency_seconds_sum')} / "
                                    f"{rate('vllm:e2e_request_latency_seconds_count')}"),
@@ -152,26 +184,27 @@ def build_queries(target: Target, window_s: float, refusal_metric: str = DEFAULT
                                 f"{rate('vllm:request_generation_tokens_count')}"),
         "prefix_hit_rate": f"{rate('vllm:prefix_cache_hits_total')} / {rate('vllm:prefix_cache_queries_total')}",
         "length_refusals_per_s": rate(refusal_metric),
-        "kv_cache_bytes": f"min(kvpilot:kv_cache_bytes{{{sel}}})",
-        "kv_bytes_per_token": f"max(kvpilot:kv_cache_bytes_per_token{{{sel}}})",
-        "num_waiting_now": f"sum(vllm:num_requests_waiting{{{sel}}})",
+        "kv_cache_bytes": f"{min_}(kvpilot:kv_cache_bytes{{{sel}}})",
+        "kv_bytes_per_token": f"{max_}(kvpilot:kv_cache_bytes_per_token{{{sel}}})",
+        "num_waiting_now": f"{sum_}(vllm:num_requests_waiting{{{sel}}})",
         "prompt_tokens_per_s": rate("vllm:prompt_tokens_total"),
         "tpot_mean_s": (f"{rate('vllm:request_time_per_output_token_seconds_sum')} / "
                         f"{rate('vllm:request_time_per_output_token_seconds_count')}"),
-        "flex_share": (f'sum(rate({TIER_TPOT_METRIC}_count{{{sel},service_tier="{FLEX_TIER}"}}[{w}])) / '
+        "flex_share": (f'{sum_}(rate({TIER_TPOT_METRIC}_count{{{sel},service_tier="{FLEX_TIER}"}}[{w}])) / '
                        f"{rate(TIER_TPOT_METRIC + '_count')}"),
-        TIERED_TPOT_P95: (f'histogram_quantile(0.95, sum by (le) (rate({TIER_TPOT_METRIC}_bucket'
-                          f'{{{sel},service_tier!="{FLEX_TIER}"}}[{w}])))'),
+        TIERED_TPOT_P95: quantile(0.95, TIER_TPOT_METRIC, f',service_tier!="{FLEX_TIER}"'),
     }
 
 
-def build_freshness_queries(target: Target, refusal_metric: str = DEFAULT_REFUSAL_METRIC) -> dict[str, str]:
+def build_freshness_queries(target: Target | FleetTarget,
+                            refusal_metric: str = DEFAULT_REFUSAL_METRIC) -> dict[str, str]:
     """Raw metric -> PromQL giving its newest sample's timestamp over the deployment."""
     metrics = sorted(set(SOURCES.values()) | set(EXTRA_SOURCES.values()) | set(SETTINGS_METRICS.values()) | {refusal_metric})
-    return {m: f"min(timestamp({m}{{{target.selector}}}))" for m in metrics}
+    min_ = _aggregate("min", target.grouping)
+    return {m: f"{min_}(timestamp({m}{{{target.selector}}}))" for m in metrics}
 
 
-def build_settings_queries(target: Target) -> dict[str, str]:
+def build_settings_queries(target: Target | FleetTarget) -> dict[str, str]:
     return {k: f"{m}{{{target.selector}}}" for k, m in SETTINGS_METRICS.items()}
 
 
@@ -197,7 +230,7 @@ def _number(text: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def _samples(result: Any) -> list[tuple[dict, float, float | None]]:
+def instant_samples(result: Any) -> list[tuple[dict, float, float | None]]:
     """(labels, evaluation time, finite value or None) of each series of an instant vector;
     ValueError for anything shaped otherwise."""
     if not isinstance(result, list):
@@ -217,11 +250,25 @@ def _samples(result: Any) -> list[tuple[dict, float, float | None]]:
 
 def _value(result: Any) -> tuple[float, float | None] | None:
     """(evaluation time, finite value or None) of a single-sample result, or None when empty."""
-    samples = _samples(result)
+    samples = instant_samples(result)
     if not samples:
         return None
     _, ts, value = samples[0]
     return ts, value
+
+
+def checked_query(client: QueryClient, url: str, q: str, params: dict | None = None) -> list[dict]:
+    """One instant query; MetricsUnavailable for anything but a well-formed vector."""
+    try:
+        result = client.custom_query(q, params=params) if params else client.custom_query(q)
+        instant_samples(result)  # the shape, checked once here
+    except ValueError as e:  # not JSON (requests' JSONDecodeError is an OSError too)
+        raise MetricsUnavailable(BAD_RESPONSE, url, f"{type(e).__name__}: {e}"[:300]) from e
+    except OSError as e:  # requests' errors are OSErrors: refused, reset, timed out
+        raise MetricsUnavailable(UNREACHABLE, url, f"{type(e).__name__}: {e}"[:300]) from e
+    except Exception as e:  # HTTP error status, non-JSON body, wrong shape
+        raise MetricsUnavailable(BAD_RESPONSE, url, f"{type(e).__name__}: {e}"[:300]) from e
+    return result
 
 
 class PrometheusReader:
@@ -238,15 +285,9 @@ class PrometheusReader:
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> PrometheusReader:
-        from prometheus_api_client import PrometheusConnect  # imported where used
-        from urllib3.util.retry import Retry
+        from .query_client import connect  # imported where used (it imports this module)
 
-        # No retries: PrometheusConnect's default retries refusals and 5xx answers with backoff,
-        # stalling the pass; the next pass is the retry. A timeout: a blackholed address must
-        # not hold the reconcile forever.
-        client = PrometheusConnect(url=url, disable_ssl=True, retry=Retry(total=0, status_forcelist=()),
-                                   timeout=QUERY_TIMEOUT_S)
-        return cls(client, url=url, **kwargs)
+        return cls(connect(url, "deployment"), url=url, **kwargs)
 
     def target(self, namespace: str, name: str) -> Target:
         return Target(namespace, name, self.label, self.namespace_label, self.pod_label)
@@ -258,59 +299,69 @@ class PrometheusReader:
         params = {"time": f"{at:.3f}"} if at is not None else None
 
         def query(q: str) -> list[dict]:
-            """One instant query; MetricsUnavailable for anything but a well-formed vector."""
-            try:
-                result = self.client.custom_query(q, params=params) if params else self.client.custom_query(q)
-                _samples(result)  # the shape, checked once here
-            except ValueError as e:  # not JSON (requests' JSONDecodeError is an OSError too)
-                raise MetricsUnavailable(BAD_RESPONSE, self.url, f"{type(e).__name__}: {e}"[:300]) from e
-            except OSError as e:  # requests' errors are OSErrors: refused, reset, timed out
-                raise MetricsUnavailable(UNREACHABLE, self.url, f"{type(e).__name__}: {e}"[:300]) from e
-            except Exception as e:  # HTTP error status, non-JSON body, wrong shape
-                raise MetricsUnavailable(BAD_RESPONSE, self.url, f"{type(e).__name__}: {e}"[:300]) from e
-            return result
+            return checked_query(self.client, self.url, q, params)
 
-        values: dict[str, float | None] = {}
-        eval_times: list[float] = []
-        for field, q in build_queries(target, window_s, self.refusal_metric).items():
-            got = _value(query(q))
-            if got is None:  # no series: missing (if its metric is absent) or empty rate
-                values[field] = None
-                continue
-            eval_times.append(got[0])
-            values[field] = got[1]  # None for NaN/Inf: never a decision from a non-number
+        answers = Answers(
+            values={f: _value(query(q)) for f, q in build_queries(target, window_s, self.refusal_metric).items()},
+            newest={m: _value(query(q)) for m, q in build_freshness_queries(target, self.refusal_metric).items()},
+            settings={k: query(q) for k, q in build_settings_queries(target).items()})
+        return assemble_snapshot(answers, window_s, at, stale_after_s=self.stale_after_s,
+                                 refusal_metric=self.refusal_metric, pod_label=self.pod_label)
 
-        newest: dict[str, float | None] = {}
-        for metric, q in build_freshness_queries(target, self.refusal_metric).items():
-            got = _value(query(q))
-            newest[metric] = None if got is None else got[1]
-            if got is not None:
-                eval_times.append(got[0])
-        now = at if at is not None else (max(eval_times) if eval_times else 0.0)
 
-        sources = list(SOURCES.items()) + list(EXTRA_SOURCES.items())
-        sources.append(("length_refusals_per_s", self.refusal_metric))
-        missing, stale = [], []
-        for field, metric in sources:
-            if newest.get(metric) is None:
-                missing.append(field)
-            elif now - newest[metric] > self.stale_after_s:
-                stale.append(field)
-        for field in missing + stale:
+@dataclass
+class Answers:
+    """One deployment's query answers: (evaluation time, value) or None per Snapshot field
+    and per raw metric's newest-sample query, and the settings gauges' series."""
+
+    values: dict[str, tuple[float, float | None] | None]
+    newest: dict[str, tuple[float, float | None] | None]
+    settings: dict[str, list[dict]]
+
+
+def assemble_snapshot(answers: Answers, window_s: float, at: float | None, *, stale_after_s: float,
+                      refusal_metric: str = DEFAULT_REFUSAL_METRIC, pod_label: str = "pod") -> Snapshot:
+    """The Snapshot from the answers, whichever reader asked (one deployment or the fleet)."""
+    values: dict[str, float | None] = {}
+    eval_times: list[float] = []
+    for field, got in answers.values.items():
+        if got is None:  # no series: missing (if its metric is absent) or empty rate
             values[field] = None
-        tiered = values.pop(TIERED_TPOT_P95, None)
-        if "flex_share" not in missing and "tpot_p95_s" not in missing + stale:
-            values["tpot_p95_s"] = tiered  # None when only flex requests finished
+            continue
+        eval_times.append(got[0])
+        value = got[1]  # never a decision from a non-number: NaN and Inf read as no value
+        values[field] = value if value is not None and math.isfinite(value) else None
 
-        pods: dict[str, dict] = {}
-        for setting, q in build_settings_queries(target).items():
-            for labels, _, value in _samples(query(q)):
-                if value is not None:
-                    pods.setdefault(str(labels.get(self.pod_label, "?")), {})[setting] = int(value)
+    newest: dict[str, float | None] = {}
+    for metric, got in answers.newest.items():
+        newest[metric] = None if got is None else got[1]
+        if got is not None:
+            eval_times.append(got[0])
+    now = at if at is not None else (max(eval_times) if eval_times else 0.0)
 
-        return Snapshot(
-            time=now, window_s=window_s,
-            pods=tuple(PodSettings(pod, **s) for pod, s in sorted(pods.items())),
-            missing=tuple(sorted(set(missing))), stale=tuple(sorted(set(stale))),
-            **values,
-        )
+    sources = list(SOURCES.items()) + list(EXTRA_SOURCES.items())
+    sources.append(("length_refusals_per_s", refusal_metric))
+    missing, stale = [], []
+    for field, metric in sources:
+        if newest.get(metric) is None:
+            missing.append(field)
+        elif now - newest[metric] > stale_after_s:
+            stale.append(field)
+    for field in missing + stale:
+        values[field] = None
+    tiered = values.pop(TIERED_TPOT_P95, None)
+    if "flex_share" not in missing and "tpot_p95_s" not in missing + stale:
+        values["tpot_p95_s"] = tiered  # None when only flex requests finished
+
+    pods: dict[str, dict] = {}
+    for setting, result in answers.settings.items():
+        for labels, _, value in instant_samples(result):
+            if value is not None:
+                pods.setdefault(str(labels.get(pod_label, "?")), {})[setting] = int(value)
+
+    return Snapshot(
+        time=now, window_s=window_s,
+        pods=tuple(PodSettings(pod, **s) for pod, s in sorted(pods.items())),
+        missing=tuple(sorted(set(missing))), stale=tuple(sorted(set(stale))),
+        **values,
+    )
