@@ -7,6 +7,10 @@ answers to /api/v1/query are chosen by `mode`:
     wrong-shape  200 JSON whose data.result is an object, not a vector
     nan          200 well-formed vectors: every sample NaN, +Inf or -Inf, except the
                  freshness queries (timestamp(...)), which say "just now"
+
+Samples carry `labels` (the deployment's namespace and the pod label Prometheus gives the
+engine pods), so the operator's fleet reader, which asks grouped queries and attributes
+each series by those labels, reads them as that deployment's.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ MODES = ("not-json", "http-500", "wrong-shape", "nan")
 NON_FINITE = ("NaN", "+Inf", "-Inf")
 
 
-def answer(mode: str, query: str, now: float) -> tuple[int, str, bytes]:
+def answer(mode: str, query: str, now: float, labels: dict | None = None) -> tuple[int, str, bytes]:
     """(status, content type, body) for one query in `mode`."""
     if mode == "not-json":
         return 200, "text/html", b"<html><body>502 Bad Gateway</body></html>"
@@ -29,22 +33,23 @@ def answer(mode: str, query: str, now: float) -> tuple[int, str, bytes]:
     if mode == "wrong-shape":
         body = {"status": "success", "data": {"resultType": "vector", "result": {"oops": [1, 2]}}}
         return 200, "application/json", json.dumps(body).encode()
-    value = f"{now:.3f}" if query.startswith("min(timestamp(") else NON_FINITE[len(query) % 3]
+    value = f"{now:.3f}" if "(timestamp(" in query else NON_FINITE[len(query) % 3]
     body = {"status": "success", "data": {"resultType": "vector", "result": [
-        {"metric": {"pod": "tiny-0"}, "value": [now, value]}]}}
+        {"metric": {"pod": "tiny-0", **(labels or {})}, "value": [now, value]}]}}
     return 200, "application/json", json.dumps(body).encode()
 
 
 class FakePrometheus:
-    def __init__(self, host: str, mode: str = "not-json"):
+    def __init__(self, host: str, mode: str = "not-json", labels: dict | None = None):
         self.mode = mode
+        self.labels = labels
         self.queries = 0  # answered so far, any mode
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
                 query = parse_qs(urlparse(self.path).query).get("query", [""])[0]
-                status, ctype, body = answer(fake.mode, query, time.time())
+                status, ctype, body = answer(fake.mode, query, time.time(), fake.labels)
                 fake.queries += 1
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)

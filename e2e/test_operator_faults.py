@@ -24,10 +24,12 @@ import uuid
 import pytest
 
 from fakeprom import FakePrometheus
+from kvpilot.operator.autotune.hook import SERIES_LABEL
 from localcluster.ports import free_port
 from localcluster.restart import restart_apiserver
 from test_autotune import Load, applied_changes, autotune, events, trail
-from test_operator import OPERATOR_NS, condition, diagnose, engine_pods, is_ready, llmd, operator_ready, tuning
+from test_operator import (OPERATOR_NS, condition, diagnose, engine_pods, is_ready, llmd, operator_leader,
+                           operator_ready, tuning)
 
 pytestmark = pytest.mark.e2e
 
@@ -124,7 +126,7 @@ def test_prometheus_unreachable_or_garbage_holds_every_setting(cluster, tuned_op
         settle(wait_for, kube, ns, lambda: is_ready(kube, ns) and engine_pods(kube, ns), READY_S,
                "the LLMDeployment to be Ready", cluster)
 
-        with FakePrometheus(cluster.gateway) as fake:
+        with FakePrometheus(cluster.gateway, labels={"namespace": ns, SERIES_LABEL: "tiny"}) as fake:
             patch(cluster, ns, {"autotune": {"prometheus": {"url": fake.url}}})
             for mode, reason, needle in (("not-json", "BadResponse", "JSONDecodeError"),
                                          ("http-500", "BadResponse", "Status Code 500"),
@@ -192,7 +194,7 @@ def test_apiserver_restart_mid_reconcile_converges_without_a_change(cluster, tun
                "Ready with metrics", cluster)
         before = status(kube, ns)
         changes_before = applied_changes(kube, ns, "maxNumSeqs")
-        (op,) = operator_ready(kube)
+        op = operator_leader(kube)  # the chart runs two; the leader reconciles
         op_restarts = op["status"]["containerStatuses"][0]["restartCount"]
         t0 = time.monotonic()
         up_s = restart_apiserver(cluster, down_s=5)  # kill -9 while the 1 s resync runs
@@ -209,7 +211,7 @@ def test_apiserver_restart_mid_reconcile_converges_without_a_change(cluster, tun
         settle(wait_for, kube, ns, lambda: status(kube, ns).get("observedGeneration") == generation, 60,
                "the operator to observe a spec change made after the restart", cluster)
         t_spec = time.monotonic() - t0
-        (op,) = operator_ready(kube)
+        (op,) = [p for p in operator_ready(kube) if p["metadata"]["name"] == op["metadata"]["name"]]
         restarts = op["status"]["containerStatuses"][0]["restartCount"] - op_restarts
         print(f"\n[apiserver restart] API server down 5s, healthy {up_s:.1f}s after its start; LLMDeployment "
               f"Ready {t_ready:.1f}s and a new spec change observed {t_spec:.1f}s after the kill; "

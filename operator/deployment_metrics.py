@@ -7,6 +7,9 @@ reconcile computes: what the dashboards' autotuner row and the alerts read.
   kvpilot_operator_objective_seconds{objective}  spec.autotune.objectives (tpot)
   kvpilot_operator_condition{condition,status,reason}  1 for each condition as it stands
 
+and, in mode Recommend or Auto, kvpilot_operator_autotune_decisions_total{action,setting} at 0
+until the first change (a rate over "no change yet" is 0, not an empty result).
+
 Every series carries llmdeployment_namespace and llmdeployment (not `namespace`, which a pod
 scrape sets to the operator's own). A deployment's series go when it does (`forget`)."""
 from __future__ import annotations
@@ -15,10 +18,13 @@ from dataclasses import dataclass, field
 
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge
 
+from . import metrics
 from .autotune.hook import parse_duration
 from .spec import LLMDeploymentSpec
 from .status import LLMDeploymentStatus
 
+ACTIONS = ("change", "revert")
+SETTINGS = ("max_num_seqs", "max_model_len", "replicas")
 DIAGNOSES = ("PreemptionBound", "SchedulerBound", "KVCacheBound", "LengthBound", "TPOTBound", "HardwareBound",
              "Healthy", "Idle", "NoData")
 KEY = ["llmdeployment_namespace", "llmdeployment"]
@@ -70,6 +76,10 @@ class DeploymentMetrics:
             put(self.objective, parse_duration(tpot), "tpot")
         for c in status.conditions:
             put(self.condition, 1.0, c.type, c.status, c.reason)
+        if spec.autotune.mode != "Off":  # at 0 until a change: "no change" reads as 0, not as no data
+            for action in ACTIONS:
+                for setting in SETTINGS:
+                    metrics.AUTOTUNE_DECISIONS.labels(*key, action, setting)
         for gauge, labels in self._series.get(key, set()) - seen:  # a condition that changed, a setting gone
             gauge.remove(*key, *labels)
         self._series[key] = seen
@@ -77,6 +87,12 @@ class DeploymentMetrics:
     def forget(self, namespace: str, name: str) -> None:
         for gauge, labels in self._series.pop((namespace, name), set()):
             gauge.remove(namespace, name, *labels)
+        for action in ACTIONS:
+            for setting in SETTINGS:
+                try:
+                    metrics.AUTOTUNE_DECISIONS.remove(namespace, name, action, setting)
+                except KeyError:  # never created (mode Off)
+                    pass
 
     def keep_only(self, present: set[tuple[str, str]]) -> None:
         """Drops the series of every deployment not in `present` (deleted since)."""

@@ -18,6 +18,7 @@ function itself (handlers._pass); this pool only decides what runs when."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
 import time
@@ -111,7 +112,10 @@ class ResyncPool:
                 metrics.RESYNC_SKIPPED.labels("in_flight").inc()
                 continue
             try:
-                fut = loop.run_in_executor(self._executor, self._run, body, context, time.monotonic())
+                # Each reconcile runs in a copy of this task's context, as asyncio.to_thread
+                # would: kopf's Event posting (kopf.warn) lives in context variables.
+                fut = loop.run_in_executor(self._executor, contextvars.copy_context().run, self._run, body,
+                                           context, time.monotonic())
             except RuntimeError:  # the pool was shut down (operator stopping)
                 self._release(key)
                 raise

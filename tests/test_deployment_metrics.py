@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.operator.deployment_metrics import DeploymentMetrics
@@ -54,7 +54,12 @@ def test_series_follow_the_status_and_leave_with_the_deployment():
     assert s[("kvpilot_operator_condition", labels(condition="TuningApplied", status="True",
                                                    reason="PodsReportSettings"))] == 1
 
+    decisions = {"llmdeployment_namespace": "ml", "llmdeployment": "chat", "action": "revert",
+                 "setting": "replicas"}
+    assert REGISTRY.get_sample_value("kvpilot_operator_autotune_decisions_total", decisions) == 0  # not absent
+
     m.record("ml", "other", spec, status)
     m.keep_only({("ml", "other")})
+    assert REGISTRY.get_sample_value("kvpilot_operator_autotune_decisions_total", decisions) is None
     assert not [k for k in series(registry) if ("llmdeployment", "chat") in k[1]]
     assert [k for k in series(registry) if ("llmdeployment", "other") in k[1]]
