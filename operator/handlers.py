@@ -161,10 +161,21 @@ def _pass(body, trigger: str, *, retry: bool, hook=None, wait_for_lock: bool = T
         lock.release()
     _state["deployment_metrics"].record(ns, name, parse_spec(current), result.status)
     for p in problems_to_announce(current, result):
-        kopf.warn(body, reason=p.reason, message=p.message)
+        _warn(kube, current, p.reason, p.message)
     metrics.RECONCILES.labels(trigger, "ready" if result.ready else "progressing").inc()
     if retry and not result.ready and not result.problems:
         raise kopf.TemporaryError("waiting for pods to become ready", delay=NOT_READY_DELAY)
+
+
+def _warn(kube: Kube, body: dict, reason: str, message: str) -> None:
+    """A Warning Event on the LLMDeployment through the API client, as the autotuner posts
+    its own: kopf.warn needs kopf's task context, which a resync worker thread lacks."""
+    meta = body["metadata"]
+    try:
+        kube.create_event({"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": meta["name"],
+                           "namespace": meta["namespace"], "uid": meta.get("uid")}, "Warning", reason, message)
+    except Exception as e:  # an Event is a courtesy; it must not fail the pass
+        log.warning("posting Event %s on %s/%s failed: %s", reason, meta["namespace"], meta["name"], e)
 
 
 def problems_to_announce(previous: dict, result) -> list:

@@ -96,7 +96,7 @@ def test_a_problem_is_announced_once_per_change_of_its_message(fake, monkeypatch
     from test_pod_health import CRASH, pod
     kube = fake(ready=False)
     warned = []
-    monkeypatch.setattr(kopf, "warn", lambda obj, reason, message: warned.append(reason))
+    kube.create_event = lambda involved, type_, reason, message: warned.append(reason)
     obj = body({"model": {"source": "file:///nonexistent/model"}})
     kube.get = lambda api_version, kind, ns, name: obj if kind == "LLMDeployment" else None
 
