@@ -94,6 +94,11 @@ class Bench:
         n = ready_count(fleet(kube, NAMESPACE))
         rss = pod_rss(kube)
         free_after = mem_available()
+        if a.settle_s:  # the last pods' start-up (about a CPU-second each) out of the figures
+            log(f"letting the fleet settle for {a.settle_s}s before measuring "
+                f"(load average {Path('/proc/loadavg').read_text().split()[0]})")
+            time.sleep(a.settle_s)
+        load_before = Path("/proc/loadavg").read_text().split()[0]
 
         op = operator_pod(kube)
         url = operator_metrics_url(op)
@@ -129,6 +134,9 @@ class Bench:
                - before.total("kvpilot_operator_api_requests_total", method=m)
                for m in ("GET", "PATCH", "DELETE", "POST")}
         api_line = ", ".join(f"{m} {v:.0f}" for m, v in api.items() if v)
+        skipped = sum(after.total("kvpilot_operator_api_requests_skipped_total", method=m)
+                      - before.total("kvpilot_operator_api_requests_skipped_total", method=m)
+                      for m in ("PATCH", "DELETE"))
         rows = [
             "operator scale benchmark (simulated pods: h100-80gb/llama-3.1-8b, 1 replica each, Auto)",
             f"  host: {Path('/proc/cpuinfo').read_text().count('processor')} CPUs, "
@@ -140,7 +148,9 @@ class Bench:
             f"{max(rss) / 2**20:.0f} MiB over {len(rss)} pods; host MemAvailable fell "
             f"{(free_before - free_after) / 2**20 / max(n, 1):.0f} MiB per pod (container, shim, pause)"
             if rss else "  simulated pod memory: no pod answered",
-            f"  measured over {elapsed:.0f}s ({a.measure_intervals} autotune intervals):",
+            f"  measured over {elapsed:.0f}s ({a.measure_intervals} autotune intervals), {a.settle_s}s after the "
+            f"last batch was Ready; host load average {load_before} at the start, "
+            f"{Path('/proc/loadavg').read_text().split()[0]} at the end:",
             f"    autotune decisions per deployment: min {per[0] if per else 0}, max {per[-1] if per else 0} "
             f"(expected about {a.measure_intervals}); longest gap between a deployment's decisions "
             f"{max(gaps) if gaps else float('nan'):.0f}s",
@@ -149,7 +159,8 @@ class Bench:
             f"    reconcile latency ({count} passes): p50 <= {p50}s, p99 <= {p99}s (histogram bucket bounds)",
             f"    reconciles that started while another ran: {overlapped:.0f} of {started:.0f}",
             f"    Kubernetes API requests from the reconciles: {sum(api.values()) / elapsed:.1f}/s, "
-            f"{sum(api.values()) / max(count, 1):.1f} per reconcile ({api_line})",
+            f"{sum(api.values()) / max(count, 1):.1f} per reconcile ({api_line}); {skipped:.0f} applies and "
+            f"deletes not sent (unchanged)",
             f"    Prometheus queries: operator {q['fleet']:.0f} fleet + {q['deployment']:.0f} per-deployment "
             f"= {(q['fleet'] + q['deployment']) / elapsed:.1f}/s; Prometheus served {prom_q / elapsed:.1f} "
             f"/api/v1/query requests/s (per-deployment reads would be {n * QUERIES_PER_SNAPSHOT / a.interval_s:.0f}/s)",
@@ -175,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--measure-intervals", type=int, default=3)
     p.add_argument("--max-concurrent", type=int, default=8)
     p.add_argument("--scrape-s", type=int, default=5)
+    p.add_argument("--settle-s", type=int, default=60,
+                   help="seconds to wait after the last batch is Ready before measuring")
     p.add_argument("--workdir", default=None)
     p.add_argument("--output", default=None, help="also write the figures to this file")
     p.add_argument("--keep", action="store_true", help="leave the cluster running")

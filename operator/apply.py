@@ -1,5 +1,7 @@
 """The small apply layer over the kubernetes client: server-side apply under one
-field manager (force), reads and deletes that treat 404 as "absent"."""
+field manager (force), reads and deletes that treat 404 as "absent". With an
+AppliedCache (the operator's), an apply or delete that would change nothing is not
+sent (applied.py says when that is certain)."""
 from __future__ import annotations
 
 import json
@@ -7,6 +9,7 @@ import logging
 from datetime import datetime, timezone
 
 from . import metrics
+from .applied import AppliedCache, key_of
 from .objects import FIELD_MANAGER
 from .spec import GROUP, KIND, PLURAL, VERSION
 
@@ -35,11 +38,12 @@ def object_path(api_version: str, kind: str, namespace: str, name: str) -> str:
 class Kube:
     """What the reconcile needs from the API server, over one ApiClient."""
 
-    def __init__(self, api_client=None):
+    def __init__(self, api_client=None, applied: AppliedCache | None = None):
         if api_client is None:
             from kubernetes import client
             api_client = client.ApiClient()
         self.api = api_client
+        self.applied = applied
 
     def _call(self, method: str, path: str, body=None, query=None, content_type="application/json"):
         """One request; ApiException for an error status, the decoded JSON otherwise."""
@@ -59,20 +63,37 @@ class Kube:
             raise ApiException(status=resp.status, reason=resp.reason or "", body=resp.data)
         return json.loads(resp.data) if resp.data else {}
 
-    def apply(self, manifest: dict, subresource: str = "") -> dict:
+    def apply(self, manifest: dict, subresource: str = "", *, live: dict | None = None,
+              live_read: bool = False) -> dict:
+        """Server-side apply; the object as the API server answered. `live_read`: `live` is
+        the object as the caller just read it (None: absent), which lets the cache skip an
+        apply that would change nothing (the status subresource is never skipped)."""
         meta = manifest["metadata"]
         path = object_path(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
+        cache = self.applied if not subresource else None
+        if cache is not None and (earlier := cache.applied(manifest, live, live_read=live_read)) is not None:
+            metrics.API_REQUESTS_SKIPPED.labels("PATCH").inc()
+            return earlier
         from kubernetes.client.exceptions import ApiException
         try:
             # JSON is YAML: the body goes as a string, whatever the client's YAML support.
-            return self._call("PATCH", path + (f"/{subresource}" if subresource else ""), json.dumps(manifest),
-                              [("fieldManager", FIELD_MANAGER), ("force", "true")],
-                              "application/apply-patch+yaml")
+            result = self._call("PATCH", path + (f"/{subresource}" if subresource else ""), json.dumps(manifest),
+                                [("fieldManager", FIELD_MANAGER), ("force", "true")],
+                                "application/apply-patch+yaml")
         except ApiException as e:
+            if cache is not None:
+                cache.forget(key_of(manifest))
             if e.status in (404, 409):
                 raise Conflict(f"apply {manifest['kind']} {meta['namespace']}/{meta['name']}: "
                                f"{e.status} {e.reason}") from e
             raise
+        except Exception:
+            if cache is not None:
+                cache.forget(key_of(manifest))
+            raise
+        if cache is not None:
+            cache.remember_apply(manifest, result)
+        return result
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
         from kubernetes.client.exceptions import ApiException
@@ -125,11 +146,22 @@ class Kube:
         return self._call("POST", f"/api/v1/namespaces/{involved['namespace']}/events", event)
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """True when it deleted the object; False when it was absent (or this process
+        deleted it, or found it absent, under the cache's recheck time ago)."""
         from kubernetes.client.exceptions import ApiException
+        key = (api_version, kind, namespace, name)
+        if self.applied is not None and self.applied.deleted(key):
+            metrics.API_REQUESTS_SKIPPED.labels("DELETE").inc()
+            return False
         try:
             self._call("DELETE", object_path(api_version, kind, namespace, name))
-            return True
+            deleted = True
         except ApiException as e:
-            if e.status == 404:
-                return False
-            raise
+            if e.status != 404:
+                if self.applied is not None:
+                    self.applied.forget(key)
+                raise
+            deleted = False
+        if self.applied is not None:
+            self.applied.remember_delete(key)
+        return deleted

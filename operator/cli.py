@@ -26,7 +26,8 @@ def add_parser(subparsers) -> None:
     le.add_argument("--leader-elect-lease-duration", type=float, default=15.0,
                     help="seconds a standby waits on an unrenewed Lease before taking it over")
     le.add_argument("--leader-elect-renew-deadline", type=float, default=10.0,
-                    help="seconds the leader keeps trying to renew before it gives up (and exits)")
+                    help="seconds the leader keeps trying to renew before it stops acting (exiting if a "
+                         "pass is still in flight or another candidate took the Lease)")
     le.add_argument("--leader-elect-retry-period", type=float, default=2.0,
                     help="seconds between attempts to acquire or renew")
     p.add_argument("--max-concurrent-reconciles", type=_positive_int, default=8,

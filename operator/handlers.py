@@ -4,6 +4,7 @@ problems). Imported only by `kvpilot operator` (it registers on import)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -14,6 +15,7 @@ from typing import Callable
 import kopf
 
 from . import metrics
+from .applied import AppliedCache
 from .apply import Conflict, Kube
 from .objects import INSTANCE_LABEL, MANAGED_BY
 from .deployment_metrics import DeploymentMetrics
@@ -42,7 +44,7 @@ def _lock(ns: str, name: str) -> threading.Lock:
 
 def _kube() -> Kube:
     if "kube" not in _state:
-        _state["kube"] = Kube(_api_client())
+        _state["kube"] = Kube(_api_client(), AppliedCache())
         _state["hook"] = load_autotune_hook()
         _state["deployment_metrics"] = DeploymentMetrics()
     return _state["kube"]
@@ -101,19 +103,40 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
 
 
 def _leading(memo) -> Callable[[], bool] | None:
-    """The leader-election check `kvpilot operator --leader-elect` puts in kopf's memo; None
-    without leader election."""
+    """The leader-election gate `kvpilot operator --leader-elect` puts in kopf's memo (a
+    leader.PassGate, or any callable saying whether this process leads); None without
+    leader election."""
     return memo.get("leading") if memo is not None else None
+
+
+def _acting(leading: Callable[[], bool] | None):
+    """A context yielding whether a pass may act; a PassGate also counts it while it runs."""
+    if leading is None:
+        return contextlib.nullcontext(True)
+    if hasattr(leading, "acting"):
+        return leading.acting()
+    return contextlib.nullcontext(leading())
 
 
 def _pass(body, trigger: str, *, retry: bool, hook=None, wait_for_lock: bool = True,
           leading: Callable[[], bool] | None = None) -> None:
+    """One reconcile, with leader election's gate: a process that cannot be sure it still
+    holds the Lease (the API server did not answer its renewals, or it was frozen past the
+    renew deadline) writes nothing, since a new leader may be at work."""
+    with _acting(leading) as may_act:
+        if not may_act:
+            metrics.RECONCILES.labels(trigger, "not-leader").inc()
+            ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+            log.warning("not reconciling %s/%s: leadership is no longer certain", ns, name)
+            return
+        _leader_pass(body, trigger, retry=retry, hook=hook, wait_for_lock=wait_for_lock)
+
+
+def _leader_pass(body, trigger: str, *, retry: bool, hook=None, wait_for_lock: bool = True) -> None:
     """One reconcile under the object's lock, with metrics and error mapping. `hook`
     replaces the autotune hook (the resync's, sharing one Prometheus read per pass);
     without `wait_for_lock`, a pass that finds the lock held skips (the resync: the
-    holder is an event-triggered pass doing the same work). With leader election, a
-    process that cannot be sure it still holds the Lease (it was frozen past the renew
-    deadline) writes nothing: it is about to exit, and a new leader may be at work."""
+    holder is an event-triggered pass doing the same work)."""
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     kube = _kube()
     lock = _lock(ns, name)
@@ -123,10 +146,6 @@ def _pass(body, trigger: str, *, retry: bool, hook=None, wait_for_lock: bool = T
     start = time.monotonic()
     current = body
     try:
-        if leading is not None and not leading():
-            metrics.RECONCILES.labels(trigger, "not-leader").inc()
-            log.warning("not reconciling %s/%s: leadership is no longer certain", ns, name)
-            return
         try:
             # The freshest object, read under the lock: the body an event or the resync list
             # carried may predate the status the previous pass wrote (the autotuner's history

@@ -7,12 +7,15 @@ and reads again at the next retry."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
+import enum
 import logging
 import random
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 from . import election
 from .election import Action, ElectionTiming, LeaseRecord, Observation
@@ -66,6 +69,11 @@ class KubeLeaseStore:
 
     def replace(self, record: LeaseRecord) -> LeaseRecord:
         return self._send("PUT", LEASES.format(ns=self.namespace) + f"/{self.name}", record)
+
+
+class HoldEnd(enum.Enum):
+    TAKEN = "taken"      # another candidate holds the Lease: this process must stop for good
+    OVERDUE = "overdue"  # no renew within the renew deadline (API server unreachable, a freeze)
 
 
 def utcnow() -> dt.datetime:
@@ -131,7 +139,16 @@ class LeaderElector:
             return self.try_once()
         except Exception as e:  # API server unreachable, 5xx, RBAC: retry; the deadline decides
             log.warning("leader election: %s", e)
+            # Forget when the record was last seen to change: a candidate that could not read
+            # cannot tell a leader that stopped renewing from an outage they share (an API
+            # server restart), so after one it waits a whole lease duration from its first
+            # successful read, and the leader, renewing at its next retry, keeps the Lease.
+            self.observation = None
             return False
+
+    def taken(self) -> bool:
+        """Whether the last read saw the Lease held by another candidate."""
+        return self.observation is not None and self.observation.record.holder not in ("", self.identity)
 
     def _pause(self) -> float:
         # client-go's wait.JitterUntil: a retry period plus up to JITTER_FACTOR of it
@@ -142,18 +159,24 @@ class LeaderElector:
         while not await asyncio.to_thread(self._attempt):
             await asyncio.sleep(self._pause())
 
-    async def hold(self) -> None:
-        """Renew every retry period; return when leadership is lost (another holder, or no
-        successful renew within the renew deadline)."""
+    async def hold(self) -> HoldEnd:
+        """Renew every retry period. Return TAKEN when another candidate holds the Lease, and
+        OVERDUE (no longer the leader) when no renew succeeded within the renew deadline.
+        Called again after OVERDUE, it keeps trying: a renew that then succeeds (the Lease
+        still names this candidate, at the resourceVersion just read, so nobody led in
+        between) makes it the leader again."""
         while True:
             await asyncio.sleep(self.timing.retry_period_s)
-            ok = await asyncio.to_thread(self._attempt)
-            if not ok and (not self.is_leader or election.renew_overdue(self.last_renew, self.clock(), self.timing)):
-                if self.is_leader:
-                    log.error("leader election: no renew for %.1fs (renew deadline %.1fs)",
-                              self.clock() - (self.last_renew or 0), self.timing.renew_deadline_s)
+            if await asyncio.to_thread(self._attempt):
+                continue
+            if self.taken():
                 self._set_leader(False)
-                return
+                return HoldEnd.TAKEN
+            if self.is_leader and election.renew_overdue(self.last_renew, self.clock(), self.timing):
+                log.error("leader election: no renew for %.1fs (renew deadline %.1fs)",
+                          self.clock() - (self.last_renew or 0), self.timing.renew_deadline_s)
+                self._set_leader(False)
+                return HoldEnd.OVERDUE
 
     def release(self) -> bool:
         """Give the Lease up on a clean shutdown, so a standby takes over at its next retry."""
@@ -171,3 +194,35 @@ class LeaderElector:
             return False
         finally:
             self._set_leader(False)
+
+
+class PassGate:
+    """Fences the operator's passes (reconcile, autotune) by the Lease. A pass runs inside
+    `acting()`, which admits it only while `holds()` and counts it until it ends, so a leader
+    whose renew deadline passed knows whether anything of its own may still write: if nothing
+    is in flight it can stay up and wait to renew; if a pass is, only exiting stops it."""
+
+    def __init__(self, holds: Callable[[], bool]):
+        self._holds = holds
+        self._lock = threading.Lock()
+        self._in_flight = 0
+
+    def __call__(self) -> bool:
+        return self._holds()
+
+    @contextlib.contextmanager
+    def acting(self) -> Iterator[bool]:
+        """Yields whether the pass may act; one that may is counted while it runs."""
+        with self._lock:
+            admitted = self._holds()
+            self._in_flight += admitted
+        try:
+            yield admitted
+        finally:
+            if admitted:
+                with self._lock:
+                    self._in_flight -= 1
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return self._in_flight

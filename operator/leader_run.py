@@ -1,9 +1,14 @@
 """`kvpilot operator --leader-elect`: a standby waits for the Lease and runs nothing
-else (no kopf, no reconcile, no autotune); the leader runs kopf and renews. When
-leadership is lost the process exits non-zero at once, as controller-runtime's
-managers do, so the pod restarts as a standby and no pass of the old leader
-overlaps the new one's. On SIGTERM the leader stops kopf and releases the Lease,
-so the standby takes over at its next retry instead of after a lease duration."""
+else (no kopf, no reconcile, no autotune); the leader runs kopf and renews. Every pass
+runs through a PassGate, so it starts only while the Lease is held and is counted while
+it runs. When another candidate takes the Lease the process exits non-zero at once, as
+controller-runtime's managers do, so the pod restarts as a standby. When the leader
+merely cannot renew (the API server restarting) it stops acting at the renew deadline
+and, if no pass of its own is still in flight, stays up and renews when the API server
+answers again, instead of restarting; a pass still in flight then is stopped the only
+way it can be, by exiting, before any standby may take over (the lease duration). On
+SIGTERM the leader stops kopf and releases the Lease, so the standby takes over at its
+next retry instead of after a lease duration."""
 from __future__ import annotations
 
 import asyncio
@@ -71,7 +76,7 @@ async def _main(config: ElectionConfig, run_operator: Callable[[Callable[[], boo
                 health_host: str, health_port: int) -> int:
     from .apply import Kube
     from .handlers import load_kube_config
-    from .leader import KubeLeaseStore, LeaderElector
+    from .leader import HoldEnd, KubeLeaseStore, LeaderElector, PassGate
 
     heartbeat = Heartbeat()
     beat = asyncio.create_task(heartbeat.beat())
@@ -96,14 +101,23 @@ async def _main(config: ElectionConfig, run_operator: Callable[[Callable[[], boo
 
     # The leader. hold() is created before kopf starts: kopf's run_tasks leaves the tasks
     # that existed before it alone. kopf replaces the signal handlers with its own.
+    gate = PassGate(elector.holds)
     hold = asyncio.create_task(elector.hold())
-    operator = asyncio.create_task(run_operator(elector.holds))  # each pass checks holds() first
-    await asyncio.wait({hold, operator}, return_when=asyncio.FIRST_COMPLETED)
-    if not operator.done():
-        log.error("leader election: leadership lost; exiting at once so that no reconcile or autotune "
-                  "pass of this process overlaps the new leader's")
-        sys.stderr.flush()
-        os._exit(LOST_EXIT_CODE)  # no cleanup: kopf's worker threads must not finish their passes
+    operator = asyncio.create_task(run_operator(gate))  # each pass runs inside gate.acting()
+    while True:
+        await asyncio.wait({hold, operator}, return_when=asyncio.FIRST_COMPLETED)
+        if operator.done():
+            break
+        if hold.result() is HoldEnd.TAKEN or gate.in_flight():
+            why = ("another candidate holds the Lease" if hold.result() is HoldEnd.TAKEN else
+                   f"{gate.in_flight()} pass(es) still in flight past the renew deadline")
+            log.error("leader election: leadership lost (%s); exiting at once so that no reconcile or "
+                      "autotune pass of this process overlaps the new leader's", why)
+            sys.stderr.flush()
+            os._exit(LOST_EXIT_CODE)  # no cleanup: kopf's worker threads must not finish their passes
+        log.warning("leader election: not renewed within the renew deadline and no pass in flight: "
+                    "acting on nothing until the Lease is renewed (or exiting if another candidate takes it)")
+        hold = asyncio.create_task(elector.hold())
     hold.cancel()
     await asyncio.to_thread(elector.release)
     beat.cancel()

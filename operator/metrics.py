@@ -42,3 +42,6 @@ RECONCILE_CONCURRENCY = Histogram("kvpilot_operator_reconcile_concurrency",
 API_REQUESTS = Counter("kvpilot_operator_api_requests_total",
                        "Kubernetes API requests the reconciles made (not kopf's own watches), by method",
                        ["method"])
+API_REQUESTS_SKIPPED = Counter("kvpilot_operator_api_requests_skipped_total",
+                               "Applies and deletes not sent because they would change nothing "
+                               "(the object is as this process last wrote it), by method", ["method"])

@@ -196,7 +196,7 @@ def reconcile(kube: Kube, body, hook: AutotuneHook | None = None) -> Result:
         announce()
     if new_decision(prev, decided):
         faults.exit_if_armed(faults.STATUS_WRITTEN)
-    deployment = apply_owned(kube, owner, spec, decided.effective)
+    deployment = apply_owned(kube, owner, spec, decided.effective, before)
     # The rollout as the Deployment now reports it; a second write only when that moved.
     status = status_from(decided, Rollout.from_deployment(deployment, decided.effective.replicas), problems,
                          generation, ready_note=ready_note)
@@ -213,11 +213,12 @@ def new_decision(prev: LLMDeploymentStatus, status: LLMDeploymentStatus) -> bool
             and after.applied is not False and status.effective != prev.effective)
 
 
-def apply_owned(kube: Kube, owner: Owner, spec: LLMDeploymentSpec, effective: Effective) -> dict:
+def apply_owned(kube: Kube, owner: Owner, spec: LLMDeploymentSpec, effective: Effective,
+                before: dict | None) -> dict:
     """The owned objects for the settings in `effective` (read from status); the Deployment
-    as the API server returned it."""
+    as the API server returned it (`before`: as this pass read it, None if absent)."""
     kube.apply(build_configmap(owner, effective))
-    deployment = kube.apply(build_deployment(owner, spec, effective.replicas))
+    deployment = kube.apply(build_deployment(owner, spec, effective.replicas), live=before, live_read=True)
     kube.apply(build_service(owner, spec))
     pdb = build_pdb(owner, effective.replicas)
     if pdb is not None:

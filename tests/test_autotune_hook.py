@@ -59,7 +59,7 @@ class FakeKube:
     def create_event(self, involved, type_, reason, message):
         self.events.append((involved["kind"], involved["name"], type_, reason, message))
 
-    def apply(self, manifest, subresource=""):
+    def apply(self, manifest, subresource="", **_):
         self.applied.append((manifest, subresource))
         if manifest["kind"] == "Deployment":
             n = manifest["spec"]["replicas"]

@@ -12,7 +12,7 @@ import pytest
 from kvpilot.operator import election
 from kvpilot.operator.election import (Action, ElectionTiming, LeaseRecord, Observation, next_step, observe,
                                        renew_overdue)
-from kvpilot.operator.leader import LeaderElector, WriteConflict
+from kvpilot.operator.leader import HoldEnd, LeaderElector, WriteConflict
 
 WALL = dt.datetime(2026, 12, 2, 10, 0, 0, tzinfo=dt.timezone.utc)
 T = ElectionTiming()  # 15 / 10 / 2
@@ -236,11 +236,74 @@ def test_hold_returns_when_no_renew_succeeds_within_the_deadline():
                 await asyncio.sleep(0.01)
                 clock.t += 0.01
         ticker = asyncio.create_task(advance())
-        await asyncio.wait_for(a.hold(), timeout=5)
+        end = await asyncio.wait_for(a.hold(), timeout=5)
         ticker.cancel()
-        return clock.t
-    lost_at = asyncio.run(run())
+        return clock.t, end
+    lost_at, end = asyncio.run(run())
+    assert end is HoldEnd.OVERDUE
     assert 0.3 <= lost_at < 0.5 and not a.is_leader  # before anyone could take it over (0.5)
+
+
+def run_hold_on_a_fake_clock(a: LeaderElector, clock: Clock, during) -> HoldEnd | None:
+    """hold() with the fake clock moving 0.01 s per loop tick; `during(t)` runs at each tick
+    (it changes the store); returns what hold() returned, or None if it still holds at t=2."""
+    async def run():
+        holding = asyncio.create_task(a.hold())
+        while clock.t < 2.0 and not holding.done():
+            during(clock.t)
+            await asyncio.sleep(0.01)
+            clock.t += 0.01
+        if holding.done():
+            return holding.result()
+        holding.cancel()
+        return None
+    return asyncio.run(run())
+
+
+def test_hold_after_overdue_renews_once_the_api_answers_and_leads_again():
+    store, clock, changes = FakeStore(), Clock(), []
+    a = LeaderElector(store, "a", ElectionTiming(0.5, 0.3, 0.05), clock=clock, on_change=changes.append)
+    assert a.try_once()
+    store.fail = True
+    assert run_hold_on_a_fake_clock(a, clock, lambda t: None) is HoldEnd.OVERDUE and not a.holds()
+    # the API server answers again: nobody wrote the Lease meanwhile, so the renew succeeds
+    store.fail = False
+    assert run_hold_on_a_fake_clock(a, clock, lambda t: None) is None
+    assert a.is_leader and a.holds() and store.lease.holder == "a" and store.lease.transitions == 0
+    assert changes == [True, False, True]
+
+
+def test_hold_returns_taken_when_another_candidate_holds_the_lease():
+    store, clock = FakeStore(), Clock()
+    a = LeaderElector(store, "a", ElectionTiming(0.5, 0.3, 0.05), clock=clock)
+    assert a.try_once()
+
+    def steal(t):
+        if t >= 0.1 and store.lease.holder == "a":
+            store.lease = LeaseRecord("b", 15, "t", "t", 1, "99")
+    assert run_hold_on_a_fake_clock(a, clock, steal) is HoldEnd.TAKEN and not a.is_leader
+
+
+def test_a_standby_that_could_not_read_waits_a_whole_lease_from_its_next_read():
+    """An API server restart that both candidates see: the standby does not count the outage
+    against the leader, so the leader's renew after the outage keeps the Lease."""
+    store, clock = FakeStore(), Clock()
+    a, b = elector(store, "a", clock), elector(store, "b", clock)
+    assert a.try_once() and not b.try_once()
+    store.fail = True
+    clock.t = 5.0
+    assert not b._attempt()  # the outage: b's read fails
+    store.fail = False
+    clock.t = 20.0  # past the 15 s lease since b last saw the record change
+    assert not b._attempt() and store.lease.holder == "a"  # first read after the outage: wait
+    clock.t = 21.0
+    assert a.try_once() and store.lease.holder == "a"  # the leader renews: the record changed
+    clock.t = 22.0
+    assert not b._attempt()  # b sees the renewed record at 22
+    clock.t = 36.9
+    assert not b._attempt()
+    clock.t = 37.0  # a stopped renewing at 21: b takes over a whole lease after it saw that
+    assert b._attempt() and store.lease.holder == "b"
 
 
 def test_hold_survives_a_short_outage():

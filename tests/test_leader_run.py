@@ -1,6 +1,8 @@
 """`kvpilot operator --leader-elect`'s process life: a standby runs nothing and answers
 /healthz; the leader runs the operator; when the operator stops (kopf on SIGTERM) the
-Lease is released; a lost Lease exits the process at once, non-zero. The API is an
+Lease is released; a Lease taken by another candidate, or a pass still in flight when the
+renew deadline passes, exits the process at once, non-zero; an unreachable API server with
+nothing in flight only stops the passes until the Lease is renewed. The API is an
 in-memory Lease store (tests/test_leader_election.py)."""
 from __future__ import annotations
 
@@ -84,6 +86,7 @@ def fake_operator():
 
     async def run(leading):
         assert leading()  # the operator is started holding the Lease
+        run.gate = leading
         started.set()
         while not stop.is_set():
             await asyncio.sleep(0.02)
@@ -143,15 +146,57 @@ def test_a_lost_lease_exits_at_once_with_a_non_zero_code(store):
     assert store.lease.holder == "thief"  # nothing released, nothing overwritten
 
 
-def test_an_unreachable_api_past_the_renew_deadline_exits(store):
+def test_an_unreachable_api_past_the_renew_deadline_stops_acting_then_leads_again_without_exiting(store):
+    """An API server restart: at the renew deadline the leader stops acting (no pass may
+    start), and with no pass in flight it stays up and renews once the API answers."""
+    run, started, stop = fake_operator()
+    p = Process(ElectionConfig("ns", "lease", "me", FAST), run, 0)
+    until(started.is_set, timeout=5)
+    gate, failed_reads, read = run.gate, [], store.get
+
+    def get():
+        if store.fail:
+            failed_reads.append(time.monotonic())
+        return read()
+    store.get = get
+    store.fail = True
+    until(lambda: metrics.LEADER._value.get() == 0, timeout=5)
+    with gate.acting() as may_act:
+        assert not may_act and gate.in_flight() == 0  # a pass started now writes nothing
+    # an outage longer than the lease, the leader trying all along: still no exit
+    until(lambda: failed_reads and failed_reads[-1] - failed_reads[0] > FAST.lease_duration_s)
+    assert p.thread.is_alive() and "error" not in p.result
+    store.fail = False
+    until(lambda: metrics.LEADER._value.get() == 1, timeout=5)
+    assert gate() and store.lease.holder == "me" and store.lease.transitions == 0  # the same term
+    stop.set()
+    assert p.join() == {"rc": 0}
+
+
+def test_a_pass_in_flight_at_the_renew_deadline_exits(store):
     run, started, _ = fake_operator()
     p = Process(ElectionConfig("ns", "lease", "me", FAST), run, 0)
     until(started.is_set, timeout=5)
     t0 = time.monotonic()
+    with run.gate.acting() as may_act:  # a pass stuck on an API call that does not return
+        assert may_act and run.gate.in_flight() == 1
+        store.fail = True
+        result = p.join()
+    assert isinstance(result.get("error"), Exited) and result["error"].args == (leader_run.LOST_EXIT_CODE,)
+    assert time.monotonic() - t0 < FAST.lease_duration_s + 0.5  # before a standby could take over
+
+
+def test_a_suspended_leader_that_finds_the_lease_taken_exits(store):
+    run, started, _ = fake_operator()
+    p = Process(ElectionConfig("ns", "lease", "me", FAST), run, 0)
+    until(started.is_set, timeout=5)
     store.fail = True
+    until(lambda: metrics.LEADER._value.get() == 0, timeout=5)
+    store.lease = LeaseRecord("thief", 15, "t", "t", 5, "99")  # the standby won meanwhile
+    store.fail = False
     result = p.join()
-    assert isinstance(result.get("error"), Exited)
-    assert time.monotonic() - t0 < FAST.lease_duration_s + 0.5  # gave up within about the renew deadline
+    assert isinstance(result.get("error"), Exited) and result["error"].args == (leader_run.LOST_EXIT_CODE,)
+    assert store.lease.holder == "thief"
 
 
 def test_leader_election_flags(monkeypatch):

@@ -15,7 +15,7 @@ class FakeKube:
     def __init__(self, ready: bool):
         self.ready, self.applied = ready, []
 
-    def apply(self, manifest, subresource=""):
+    def apply(self, manifest, subresource="", **_):
         self.applied.append((manifest, subresource))
         if manifest["kind"] == "Deployment":
             n = 1 if self.ready else 0

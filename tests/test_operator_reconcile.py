@@ -15,7 +15,7 @@ class FakeKube:
         self.applied: list[tuple[dict, str]] = []
         self.deleted: list[tuple[str, str]] = []
 
-    def apply(self, manifest, subresource=""):
+    def apply(self, manifest, subresource="", **_):
         self.applied.append((manifest, subresource))
         if manifest["kind"] == "Deployment":  # kept, as the API server keeps it, for the next pass's get
             stored = {**manifest, "metadata": {**manifest["metadata"], "generation": 1},
