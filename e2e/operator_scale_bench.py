@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvsession import install_operator, log, run_to_exit_code  # noqa: E402
 from localcluster import LocalCluster  # noqa: E402
-from scale_fleet import (OPERATOR_NS, QUERIES_PER_SNAPSHOT, Scrape, fleet, fleet_member, last_decision, mean_between,  # noqa: E402
-                         operator_metrics_url, operator_pod, quantile_bound, ready_count)
+from scale_fleet import (OPERATOR_NS, QUERIES_PER_SNAPSHOT, Scrape, count_over, fleet, fleet_member,  # noqa: E402
+                         last_decision, mean_between, operator_metrics_url, operator_pod, quantile_bound,
+                         ready_count)
 
 NAMESPACE = "scale-bench"
 RECONCILE = "kvpilot_operator_reconcile_duration_seconds"
@@ -156,7 +157,9 @@ class Bench:
             f"{max(gaps) if gaps else float('nan'):.0f}s",
             f"    resync reconciles: {timer:.0f} ({timer / max(n, 1) / (elapsed / a.resync_s):.2f} per deployment "
             f"per resync period); mean resync pass {pass_mean:.2f}s",
-            f"    reconcile latency ({count} passes): p50 <= {p50}s, p99 <= {p99}s (histogram bucket bounds)",
+            f"    reconcile latency ({count} passes): p50 <= {p50}s, p99 <= {p99}s (histogram bucket bounds); "
+            f"over 0.5s: {count_over(before, after, RECONCILE, 0.5)}, over 0.75s: "
+            f"{count_over(before, after, RECONCILE, 0.75)}, over 1s: {count_over(before, after, RECONCILE, 1.0)}",
             f"    reconciles that started while another ran: {overlapped:.0f} of {started:.0f}",
             f"    Kubernetes API requests from the reconciles: {sum(api.values()) / elapsed:.1f}/s, "
             f"{sum(api.values()) / max(count, 1):.1f} per reconcile ({api_line}); {skipped:.0f} applies and "

@@ -117,6 +117,12 @@ def quantile_bound(before: Scrape, after: Scrape, name: str, q: float) -> tuple[
     return math.inf, int(total)
 
 
+def count_over(before: Scrape, after: Scrape, name: str, bound: float) -> int:
+    """How many observations between two scrapes exceeded `bound` (a bucket boundary)."""
+    b0, b1 = dict(before.buckets(name)), dict(after.buckets(name))
+    return int((b1[math.inf] - b0.get(math.inf, 0.0)) - (b1[bound] - b0.get(bound, 0.0)))
+
+
 def mean_between(before: Scrape, after: Scrape, name: str) -> float:
     n = after.total(f"{name}_count") - before.total(f"{name}_count")
     return (after.total(f"{name}_sum") - before.total(f"{name}_sum")) / n if n else math.nan

@@ -7,7 +7,7 @@ RECONCILES = Counter("kvpilot_operator_reconciles_total", "Reconcile passes by t
                      ["trigger", "result"])
 ERRORS = Counter("kvpilot_operator_reconcile_errors_total", "Failed reconcile passes by reason", ["reason"])
 DURATION = Histogram("kvpilot_operator_reconcile_duration_seconds", "Duration of reconcile passes",
-                     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+                     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30))
 # Per deployment (llmdeployment_namespace, not `namespace`, which a pod scrape sets to the
 # operator's own): the dashboard's annotations and the revert alert read it per deployment.
 AUTOTUNE_DECISIONS = Counter("kvpilot_operator_autotune_decisions_total",
