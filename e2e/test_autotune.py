@@ -97,6 +97,13 @@ def promql(cluster, query: str) -> float | None:
     return float(res[0]["value"][1]) if res else None
 
 
+def engine_setting(cluster, ns: str, gauge: str) -> float | None:
+    """What the engine pods report for one of their settings (`kvpilot:max_num_seqs`), as
+    Prometheus last scraped them: status.effective moves first, the pods follow once the
+    kubelet has projected the tuning ConfigMap (its sync period) and the engine re-read it."""
+    return promql(cluster, f'max({gauge}{{namespace="{ns}"}})')
+
+
 def preemption_rate(cluster, ns: str) -> float | None:
     return promql(cluster, f'sum(rate(vllm:num_preemptions_total{{namespace="{ns}"}}[{WINDOW_S}s]))')
 
@@ -183,6 +190,9 @@ def test_a_too_many_seqs_for_the_cache_lowers_them_and_preemptions_fall(cluster,
             t_first = time.monotonic() - t0
             until(wait_for, kube, ns, lambda: (effective(kube, ns, "maxNumSeqs") or 99) <= 4, timeout=150,
                   what="max_num_seqs to come down to what the cache holds")
+            # the window after starts once the engine runs the new setting, not when status says it
+            until(wait_for, kube, ns, lambda: (engine_setting(cluster, ns, "kvpilot:max_num_seqs") or 99) <= 4,
+                  timeout=60, what="the engine to report the lowered max_num_seqs")
             t_low = time.monotonic()
             seqs = effective(kube, ns, "maxNumSeqs")
             # a whole window at the lowered setting, then compare
@@ -226,6 +236,8 @@ def test_b_too_few_seqs_with_a_roomy_cache_raises_them_and_queue_time_falls(clus
             t_first = time.monotonic() - t0
             until(wait_for, kube, ns, lambda: (effective(kube, ns, "maxNumSeqs") or 0) >= 8, timeout=150,
                   what="max_num_seqs to reach 8")
+            until(wait_for, kube, ns, lambda: (engine_setting(cluster, ns, "kvpilot:max_num_seqs") or 0) >= 8,
+                  timeout=60, what="the engine to report the raised max_num_seqs")
             t_high = time.monotonic()
             seqs = effective(kube, ns, "maxNumSeqs")
             after = until(wait_for, kube, ns,
