@@ -115,6 +115,14 @@ def preemptions_per_token(cluster, ns: str) -> float | None:
                            f'sum(rate(vllm:generation_tokens_total{{namespace="{ns}"}}[{WINDOW_S}s]))')
 
 
+def tpot_mean(cluster, ns: str) -> float | None:
+    """Mean TPOT over the last window, from the histogram's sum and count: exact, where a
+    p95 from histogram_quantile moves in steps of its bucket (25 to 50 ms is one bucket)."""
+    series = f'vllm:request_time_per_output_token_seconds_{{part}}{{{{namespace="{ns}"}}}}'
+    return promql(cluster, f'sum(rate({series.format(part="sum")}[{WINDOW_S}s])) / '
+                           f'sum(rate({series.format(part="count")}[{WINDOW_S}s]))')
+
+
 def tpot_p95(cluster, ns: str) -> float | None:
     return promql(cluster, f'histogram_quantile(0.95, sum by (le) (rate('
                            f'vllm:request_time_per_output_token_seconds_bucket{{namespace="{ns}"}}[{WINDOW_S}s])))')
@@ -169,7 +177,10 @@ def auto_once_loaded(cluster, kube, wait_for, ns: str, loaded) -> None:
 
 
 def cleanup(cluster, ns: str) -> None:
-    cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    """Delete the namespace and wait (bounded) until it is gone: the next case's verification
+    compares throughput across a change, and a pod still shutting down beside it on this
+    2-core host takes CPU from the window it judges."""
+    cluster.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=110s", check=False, timeout=130)
 
 
 def test_a_too_many_seqs_for_the_cache_lowers_them_and_preemptions_fall(cluster, tuned_operator, wait_for):
@@ -297,6 +308,7 @@ def test_d_a_tpot_objective_narrows_the_batch_and_tpot_falls(cluster, tuned_oper
                                   and (s.get("runningMin") or 0) >= 1 else None)(autotune(kube, ns).get("snapshot") or {}),
                          timeout=90, what="a window of steady load with a TPOT reading")
             before = snap["tpotP95Seconds"]
+            before_mean = tpot_mean(cluster, ns)  # the same window, at the default width
             # The objective is set from what this machine measures, so the test holds on
             # faster and slower machines alike: 60 % of the TPOT at the default width.
             objective_ms = max(5, int(before * 1000 * 0.6))
@@ -309,13 +321,15 @@ def test_d_a_tpot_objective_narrows_the_batch_and_tpot_falls(cluster, tuned_oper
             t_first = time.monotonic()
             seqs = effective(kube, ns, "maxNumSeqs")
             # Latencies are recorded when requests finish: wait out the ones that ran wide.
-            after = until(wait_for, kube, ns,
-                          lambda: time.monotonic() - t_first > 2 * WINDOW_S + 1 and [tpot_p95(cluster, ns)],
-                          timeout=60, what="a window at the narrower setting")[0]
+            after, after_mean = until(
+                wait_for, kube, ns,
+                lambda: time.monotonic() - t_first > 2 * WINDOW_S + 1 and [tpot_p95(cluster, ns), tpot_mean(cluster, ns)],
+                timeout=60, what="a window at the narrower setting")
         st = autotune(kube, ns)
-        print(f"\n[d] TPOT p95 {1000 * before:.0f}ms at the default width; objective {objective_ms}ms; "
-              f"max_num_seqs 64 -> {seqs} {t_first - t0:.0f}s after load start (Auto from {t_auto:.0f}s); "
-              f"TPOT p95 after {1000 * after:.0f}ms; changes: {[d['change'] for d in st.get('history', [])]}")
-        assert after < 0.85 * before, (before, after)
+        print(f"\n[d] TPOT p95 {1000 * before:.0f}ms, mean {1000 * before_mean:.1f}ms at the default width; "
+              f"objective {objective_ms}ms; max_num_seqs 64 -> {seqs} {t_first - t0:.0f}s after load start (Auto "
+              f"from {t_auto:.0f}s); after: TPOT p95 {1000 * after:.0f}ms, mean {1000 * after_mean:.1f}ms; "
+              f"changes: {[d['change'] for d in st.get('history', [])]}")
+        assert after_mean < 0.85 * before_mean, (before_mean, after_mean)
     finally:
         cleanup(cluster, ns)
