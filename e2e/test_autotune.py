@@ -118,9 +118,9 @@ def preemptions_per_token(cluster, ns: str) -> float | None:
 def tpot_mean(cluster, ns: str) -> float | None:
     """Mean TPOT over the last window, from the histogram's sum and count: exact, where a
     p95 from histogram_quantile moves in steps of its bucket (25 to 50 ms is one bucket)."""
-    series = f'vllm:request_time_per_output_token_seconds_{{part}}{{{{namespace="{ns}"}}}}'
-    return promql(cluster, f'sum(rate({series.format(part="sum")}[{WINDOW_S}s])) / '
-                           f'sum(rate({series.format(part="count")}[{WINDOW_S}s]))')
+    name, selector = "vllm:request_time_per_output_token_seconds", f'{{namespace="{ns}"}}'
+    return promql(cluster, f'sum(rate({name}_sum{selector}[{WINDOW_S}s])) / '
+                           f'sum(rate({name}_count{selector}[{WINDOW_S}s]))')
 
 
 def tpot_p95(cluster, ns: str) -> float | None:

@@ -80,16 +80,12 @@ class Kube:
             result = self._call("PATCH", path + (f"/{subresource}" if subresource else ""), json.dumps(manifest),
                                 [("fieldManager", FIELD_MANAGER), ("force", "true")],
                                 "application/apply-patch+yaml")
-        except ApiException as e:
+        except Exception as e:  # the object's state is unknown now: the next pass sends it
             if cache is not None:
                 cache.forget(key_of(manifest))
-            if e.status in (404, 409):
+            if isinstance(e, ApiException) and e.status in (404, 409):
                 raise Conflict(f"apply {manifest['kind']} {meta['namespace']}/{meta['name']}: "
                                f"{e.status} {e.reason}") from e
-            raise
-        except Exception:
-            if cache is not None:
-                cache.forget(key_of(manifest))
             raise
         if cache is not None:
             cache.remember_apply(manifest, result)
