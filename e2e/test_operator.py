@@ -8,6 +8,7 @@ Security `restricted`, and examples/llmdeployment-tiny.yaml served by real
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import subprocess
 import time
@@ -231,14 +232,19 @@ def test_prometheus_scrapes_the_engine_pods(cluster, operator, demo, wait_for):
     def scraped():
         r = httpx.get(f"{cluster.prometheus_url}/api/v1/query", params={"query": query}, timeout=10).json()
         return r["data"]["result"]
-    (series,) = wait_for(scraped, timeout=60, interval=1, what="Prometheus to scrape the engine pod")
-    assert float(series["value"][1]) == 16 and series["metric"]["pod"].startswith("tiny-")
+    # The pod the previous test deleted may still have a series inside Prometheus's lookback.
+    found = wait_for(scraped, timeout=60, interval=1, what="Prometheus to scrape the engine pod")
+    (pod,) = engine_pods(operator, demo)
+    series = [x for x in found if x["metric"]["pod"] == pod["metadata"]["name"]] or wait_for(
+        lambda: [x for x in scraped() if x["metric"]["pod"] == pod["metadata"]["name"]], timeout=60, interval=1,
+        what="Prometheus to scrape the running engine pod")
+    assert float(series[0]["value"][1]) == 16 and all(float(x["value"][1]) == 16 for x in found)
 
 
 def test_kubectl_get_llmd_columns(cluster, operator, demo):
     out = cluster.kubectl("get", "llmd", "-n", demo).stdout.splitlines()
     assert out[0].split() == ["NAME", "READY", "REPLICAS", "MAXNUMSEQS", "MAXMODELLEN", "KV%", "MODE", "SIMULATED",
-                              "AGE"]
+                              "MODEL", "AGE"]
     row = out[1].split()
     assert row[:5] == ["tiny", "True", "1", "16", "512"] and "Recommend" in row[5:7]  # KV% empty: no Prometheus data
 
@@ -275,6 +281,34 @@ def test_non_live_change_rolls_pods(cluster, operator, demo, wait_for):
     assert gauge(new, "kvpilot:max_num_seqs") == 24  # the tuned values survive the roll
 
 
+def test_speculative_decoding_from_the_spec(cluster, operator, demo, wait_for):
+    """spec.engine.speculative rolls the pods with --speculative-config; the tuning
+    ConfigMap and the pod carry K; the pod drafts (vllm:spec_decode_* counts) on a
+    repetitive prompt; a K in the ConfigMap reaches the engine without a roll."""
+    patch_spec(cluster, demo, {"engine": {"speculative": {"method": "ngram", "numSpeculativeTokens": 3}}})
+
+    def rolled():
+        pods = engine_pods(operator, demo)
+        return is_ready(operator, demo) and len(pods) == 1 and \
+            "--speculative-config" in pods[0]["spec"]["containers"][0]["args"] and pods[0]
+    try:
+        pod = wait_for(rolled, timeout=READY_TIMEOUT, interval=1, what="the pods to roll with speculation")
+    except TimeoutError:
+        raise AssertionError(diagnose(cluster, demo)) from None
+    args = pod["spec"]["containers"][0]["args"]
+    assert json.loads(args[args.index("--speculative-config") + 1]) == {
+        "method": "ngram", "num_speculative_tokens": 3}
+    assert '"num_speculative_tokens": 3' in tuning(operator, demo)
+    wait_for(lambda: gauge(pod, "kvpilot:num_speculative_tokens") == 3, timeout=60, what="K on the pod")
+    url = f"http://{pod['status']['podIP']}:8000"
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "a b c a b c a b c a b c",
+                                                  "max_tokens": 32, "temperature": 0, "ignore_eos": True},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    assert gauge(pod, "vllm:spec_decode_num_drafts_total") > 0
+    assert llmd(operator, demo)["status"]["effective"]["numSpeculativeTokens"] == 3
+
+
 def test_deleted_deployment_is_recreated(cluster, operator, demo, wait_for):
     uid = operator.get(f"/apis/apps/v1/namespaces/{demo}/deployments/tiny")["metadata"]["uid"]
     cluster.kubectl("delete", "deployment", "tiny", "-n", demo, "--wait=false")
@@ -292,7 +326,16 @@ def test_invalid_specs_are_refused_with_field_messages(cluster, operator, demo):
     cases = [({"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, "minReplicas"),
              ({"engine": {"maxNumSeqs": 1000}}, "maxNumSeqs"),
              ({"autotune": {"mode": "Sometimes"}}, "spec.autotune.mode"),
-             ({"engine": {"maxNumSeqs": 0}}, "spec.engine.maxNumSeqs")]
+             ({"engine": {"maxNumSeqs": 0}}, "spec.engine.maxNumSeqs"),
+             # speculation's CEL rules, as the real API server evaluates them
+             ({"engine": {"speculative": {"numSpeculativeTokens": 2}}},
+              "engine.speculative needs method ngram, or model"),
+             ({"engine": {"speculative": {"method": "ngram", "model": "builtin:tiny-draft",
+                                          "numSpeculativeTokens": 2}}}, "method ngram takes none"),
+             ({"engine": {"speculative": {"method": "ngram", "numSpeculativeTokens": 17}}},
+              "spec.engine.speculative.numSpeculativeTokens"),
+             ({"autotune": {"numSpeculativeTokens": {"min": 0, "max": 2}}},
+              "autotune.numSpeculativeTokens needs engine.speculative")]
     for change, field in cases:
         bad = yaml.safe_load(yaml.safe_dump(doc))
         for k, v in change.items():

@@ -10,18 +10,36 @@ import sys
 from .engine_args import add_engine_args, engine_config_from_args
 
 COMMANDS_GROUP = "kvpilot.commands"  # entry points: add_parser(subparsers) of more commands
+# make-tiny-model --train-FIELD flags: TrainConfig fields a user may set (unset: its default).
+_TRAIN_FLAGS = {"steps": int, "batch_size": int, "seq_len": int, "lr": float}
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from .tiny_model import make_tiny_model
 
-    path = make_tiny_model(
-        args.dir, arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
+    shape = dict(
+        arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
         kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab,
         seed=args.seed, dtype=args.dtype, max_position_embeddings=args.max_position_embeddings,
         tie_word_embeddings=args.tie_word_embeddings, rope_theta=args.rope_theta,
         rope_scaling=json.loads(args.rope_scaling) if args.rope_scaling else None,
     )
+    recipe = {field: getattr(args, f"train_{field}") for field in _TRAIN_FLAGS
+              if getattr(args, f"train_{field}") is not None}
+    if not args.train:
+        if recipe:
+            flags = ", ".join(f"--train-{f.replace('_', '-')}" for f in recipe)
+            raise ValueError(f"{flags}: only with --train")
+        print(make_tiny_model(args.dir, **shape))
+        return 0
+    from .tiny_train import TRAINING_REPORT, TrainConfig, make_trained_model
+
+    path = make_trained_model(args.dir, train_config=TrainConfig(**recipe), **shape)
+    report = json.loads((path / TRAINING_REPORT).read_text())
+    print(f"held-out perplexity: untrained {report['heldout_perplexity_before']:.1f}, "
+          f"trained {report['heldout_perplexity_after']:.2f} "
+          f"({report['recipe']['steps']} steps, {report['train_seconds']:.0f} s of training)",
+          file=sys.stderr)
     print(path)
     return 0
 
@@ -64,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("make-tiny-model", help="write a small random-weight HF-format model")
+    p = sub.add_parser("make-tiny-model", help="write a small HF-format model (random, or --train)")
     p.add_argument("dir")
     p.add_argument("--arch", default="llama", choices=("llama", "qwen2", "mistral"))
     p.add_argument("--layers", type=int, default=4)
@@ -79,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tie-word-embeddings", action="store_true")
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--rope-scaling", default=None, help='JSON, e.g. {"rope_type":"llama3",...}')
+    p.add_argument("--train", action="store_true",
+                   help="train it on Python standard library sources (a few minutes on a CPU)")
+    for field, kind in _TRAIN_FLAGS.items():
+        p.add_argument(f"--train-{field.replace('_', '-')}", type=kind, default=None,
+                       help=f"with --train: {field} (default: tiny_train.TrainConfig's)")
     p.set_defaults(func=_cmd_make_tiny_model)
 
     p = sub.add_parser("generate", help="generate one completion offline")
@@ -97,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     # as entry points of the group "kvpilot.commands", so the engine never names them.
     from importlib.metadata import entry_points
 
-    from . import bench_overhead, bench_serve, bench_soak, bench_throughput
+    from . import (bench_overhead, bench_quantization, bench_serve, bench_soak, bench_speculative,
+                   bench_throughput, fetch_cli)
     from .server import cli as server_cli
     from .sim import cli as sim_cli
 
@@ -105,7 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_parser(bench)
     bench_overhead.add_parser(bench)
     bench_soak.add_parser(bench)
+    bench_speculative.add_parser(bench)
+    bench_quantization.add_parser(bench)
     server_cli.add_parser(sub)
+    fetch_cli.add_parser(sub)
     sim_cli.add_parser(sub)
     for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
         ep.load()(sub)

@@ -6,11 +6,15 @@ from dataclasses import dataclass, field
 
 from .quantity import parse_bytes
 from .sim.config import SimulationConfig
+from .speculative_config import SpeculativeConfig
 from .validation import positive_int
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+# int8, int4: quantize-at-load schemes (engine/quantization.py); compressed-tensors: vLLM's name
+# for what a checkpoint in that format gets anyway (engine/quant_compressed_tensors.py).
+QUANTIZATION_CHOICES = ("int8", "int4", "compressed-tensors")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when the user gives nothing on CPU
 
@@ -26,7 +30,7 @@ class EngineConfig:
     flags from these fields (flags.py), named as vLLM names them."""
 
     model: str | None = setting(
-        None, "model directory, file:///PATH or builtin:tiny (with --simulate: optional)")
+        None, "model directory, file:///PATH, hf://ORG/NAME[@REV], s3://BUCKET/PREFIX or builtin:tiny (with --simulate: optional)")
     served_model_name: str | None = setting(None, "the model name the API answers to (default: --model)")
     dtype: str = setting("auto", "weights' and activations' dtype (auto: the checkpoint's; float32 on CPU)",
                           choices=DTYPE_CHOICES)
@@ -48,10 +52,20 @@ class EngineConfig:
     enforce_eager: bool = setting(
         False, "run every step eagerly: no CUDA graphs (on CUDA, decode steps are otherwise "
                "replayed from graphs captured at start-up per batch-size bucket)")
+    quantization: str | None = setting(
+        None, "quantize the decoder's linear layers at load (the embedding and LM head stay "
+              "float): int8 = W8A16 per-channel symmetric, int4 = W4A16 group-wise with zero "
+              "points (default: float weights; a compressed-tensors W4A16/W8A16 checkpoint is "
+              "read as it is, with or without compressed-tensors here)", choices=QUANTIZATION_CHOICES)
     seed: int = setting(0, "torch's global seed, and the base of unseeded requests' seeds")
     cpu_threads: int | None = setting(
         None, "torch's intra-op threads on the CPU (default: torch's, one per core); fewer leave "
               "cores to the HTTP server and its clients, as vLLM's CPU backend does")
+    speculative_config: str | dict | SpeculativeConfig | None = setting(
+        None, "speculative decoding as vLLM takes it, a JSON object: "
+              "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' "
+              "(num_speculative_tokens is live-tunable; 0 turns speculation off; with --simulate "
+              "it is modelled: --simulate-spec-acceptance, --simulate-spec-draft-cost)")
     # Its own flags (--simulate, --simulate-*), from SimulationConfig's fields.
     simulate: SimulationConfig | None = field(default=None, metadata={"flag": False})
 
@@ -67,10 +81,16 @@ class EngineConfig:
             self.model = self.model or self.simulate.model
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a model directory or builtin:tiny")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        # With simulate, speculation is modelled (sim/speculation.py): a draft_model's `model`
+        # must still be named (the same config runs on real pods) but is never loaded.
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"device must be one of {DEVICE_CHOICES}, got {self.device!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES} (or None for float "
+                             f"weights), got {self.quantization!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"

@@ -131,9 +131,11 @@ class TorchPagedAttention:
     def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # each [len(blocks), block_size, kv_heads, head_dim]
         n = blocks.numel()
-        if (self._k_work.shape[1:] != k_cache.shape[1:] or self._k_work.shape[0] < n
-                or self._k_work.dtype != k_cache.dtype):
-            shape = (max(n, 2 * self._k_work.shape[0]), *k_cache.shape[1:])
+        same_layout = self._k_work.shape[1:] == k_cache.shape[1:] and self._k_work.dtype == k_cache.dtype
+        if not same_layout or self._k_work.shape[0] < n:
+            # Doubling amortises growth; a new layout starts afresh (doubling across layouts
+            # alternating step by step would grow without bound).
+            shape = (max(n, 2 * self._k_work.shape[0]) if same_layout else n, *k_cache.shape[1:])
             self._k_work = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
             self._v_work = torch.empty_like(self._k_work)
         return (torch.index_select(k_cache, 0, blocks, out=self._k_work[:n]),

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch  # first: the kernel then binds to torch's OpenMP runtime (libgomp.so.1)
 
-from .model_source import cache_dir
+from .cache_root import cache_dir
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.c"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")

@@ -17,11 +17,12 @@ from .scheduler import SchedulerOutput
 @dataclass
 class StepResult:
     """One step's sampled tokens, on the host, one row per request that sampled (in
-    scheduled order)."""
+    scheduled order): its new tokens, one, or with speculation the accepted drafts and
+    one more."""
 
     requests: list[Request]
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None  # None when no request in the step asked
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprob]] | None = None  # aligned with token_ids; None when no request asked
 
 
 class Executor(Protocol):
@@ -50,3 +51,4 @@ class Executor(Protocol):
 
     def run(self, out: SchedulerOutput) -> StepResult:
         """Run one step; each scheduled request's block table is `request.block_ids`."""
+

@@ -91,8 +91,10 @@ class KVCacheManager:
         if needed > 0:  # most decode steps fit in the last block and skip this
             new = self.pool.take(needed)
             held.extend([b.block_id for b in new])
-        if self.enable_prefix_caching and total // bs > request.num_hashed_blocks:
-            self._cache_full_blocks(request, total)
+        # Draft tokens (past num_tokens) are not the request's: their blocks stay unhashed.
+        cacheable = min(total, request.num_tokens)
+        if self.enable_prefix_caching and cacheable // bs > request.num_hashed_blocks:
+            self._cache_full_blocks(request, cacheable)
         return new
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
@@ -105,6 +107,29 @@ class KVCacheManager:
         for i in range(start, full):
             self.pool.cache(blocks[request.block_ids[i]], request.block_hashes[i])
         request.num_hashed_blocks = max(start, full)
+
+    def reserve_lookahead(self, request: Request, num_tokens: int) -> bool:
+        """Blocks for `num_tokens` slots after the computed tokens, ahead of the step that
+        computes them (a draft model writes its KV there first); False when there is no
+        room. Nothing is hashed: those tokens are not computed yet."""
+        needed = -(-(request.num_computed_tokens + num_tokens) // self.block_size) - len(request.block_ids)
+        if needed > self.pool.num_free_blocks:
+            return False
+        if needed > 0:
+            request.block_ids.extend(b.block_id for b in self.pool.take(needed))
+        return True
+
+    def trim(self, request: Request) -> None:
+        """Release the blocks past the request's tokens (ones that held only rejected
+        draft tokens' KV): speculation's rollback. Those blocks were never hashed."""
+        keep = -(-request.num_tokens // self.block_size)
+        ids = request.block_ids
+        if len(ids) > keep:
+            blocks = self.pool.blocks
+            dropped = ids[keep:]
+            del ids[keep:]
+            request.num_table_blocks = min(request.num_table_blocks, keep)
+            self.pool.release([blocks[i] for i in reversed(dropped)])
 
     def free(self, request: Request) -> None:
         ids, blocks = request.block_ids, self.pool.blocks

@@ -8,7 +8,7 @@ from array import array
 
 from .clock import RealClock
 from .config import EngineConfig
-from .executor import Executor
+from .executor_loading import load_executor
 from .kv_cache_manager import KVCacheManager
 from .latency import LatencySink, finished_record
 from .metric_buckets import SERVICE_TIERS
@@ -18,29 +18,11 @@ from .quantity import format_bytes
 from .request import Request, RequestGroup, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerLimits
+from .speculator import check_num_speculative_tokens, make_speculator
 from .step_isolation import run_isolating, without
-from .tokenizer import Tokenizer
 from .validation import positive_int, token_ids
 
 log = logging.getLogger("kvpilot.engine")
-
-
-def load_executor(config: EngineConfig, clock) -> tuple[Executor, Tokenizer]:
-    """The real model (torch, imported only here) or, with `config.simulate`, the timing
-    model of an accelerator (no torch, no weights, no KV bytes)."""
-    if config.simulate is not None:
-        from .sim.executor import SimulatedExecutor
-
-        executor = SimulatedExecutor.load(config, clock)
-        return executor, executor.tokenizer
-    from .model_config import ModelConfig
-    from .model_runner import ModelRunner
-    from .model_source import resolve_model
-
-    model_dir = resolve_model(config.model)
-    model_config = ModelConfig.from_dir(model_dir)
-    tokenizer = Tokenizer.from_dir(model_dir)
-    return ModelRunner(config, model_config, str(model_dir)), tokenizer
 
 
 def _prompt_seed(prompt_ids: list[int], engine_seed: int) -> int:
@@ -71,6 +53,7 @@ class LLMEngine:
             SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
             self.kv_cache, self.clock,
         )
+        self.speculator = make_speculator(config, self.runner, self.kv_cache)
         self.outputs = OutputProcessor(self.tokenizer)
         self.latency_sink: LatencySink | None = None  # TTFT, gaps and finishes, as they happen
         self._left_work = False  # the last step ended with requests still unfinished
@@ -119,13 +102,25 @@ class LLMEngine:
     def max_num_seqs(self) -> int:
         return self.scheduler.limits.max_num_seqs
 
-    def update_limits(self, *, max_num_seqs: int | None = None, max_model_len: int | None = None) -> None:
-        """Apply live-tunable limits; ValueError (naming the field) leaves both unchanged."""
+    @property
+    def num_speculative_tokens(self) -> int | None:
+        """Drafts per step in effect (0: off), or None when speculation is not configured."""
+        return None if self.speculator is None else self.speculator.num_speculative_tokens
+
+    def update_limits(self, *, max_num_seqs: int | None = None, max_model_len: int | None = None,
+                      num_speculative_tokens: int | None = None) -> None:
+        """Apply live-tunable limits; ValueError (naming the field) leaves all unchanged."""
         if max_num_seqs is not None:
             positive_int("max_num_seqs", max_num_seqs)
         if max_model_len is not None:
             positive_int("max_model_len", max_model_len)
             self._check_max_model_len(max_model_len)
+        if num_speculative_tokens is not None:
+            if self.speculator is None:
+                raise ValueError("num_speculative_tokens: speculation is not configured "
+                                 "(start the engine with speculative_config)")
+            check_num_speculative_tokens(num_speculative_tokens, self.speculator.config.num_speculative_tokens)
+            self.speculator.num_speculative_tokens = num_speculative_tokens
         if max_num_seqs is not None:
             self.scheduler.limits.max_num_seqs = max_num_seqs
         if max_model_len is not None:
@@ -212,10 +207,14 @@ class LLMEngine:
         result, failed = run_isolating(self.runner.run, scheduled)
         if failed:
             result = without(result, {req.group for req in failed})
-        progressed = self.scheduler.update(scheduled, result.requests, result.token_ids)
-        outputs = self._emit(progressed, result.logprobs, failed)
+        appended = self.scheduler.update(scheduled, result.requests, result.token_ids)
+        if self.speculator is not None:
+            self.speculator.record(scheduled, result)
+        outputs = self._emit(result.requests, appended, result.logprobs, failed)
         if failed:
             outputs += self._fail(failed)
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         self._left_work = self.has_unfinished_requests()
         return outputs
 
@@ -233,34 +232,38 @@ class LLMEngine:
                 error=f"the engine failed on this request ({reason}); other requests were not affected"))
         return outputs
 
-    def _emit(self, progressed: list[Request], logprobs,
+    def _emit(self, progressed: list[Request], appended: list[int], logprobs,
               failed: dict[Request, Exception]) -> list[RequestOutput]:
-        """Record each new token; a request whose output processing raises joins `failed`."""
+        """Record each request's new tokens; a request whose output processing raises
+        joins `failed`."""
         now = self.clock.now()
         ok = []
-        prefilled = 0  # prompt tokens computed for requests whose first token came this step
+        prefilled = generated = 0  # prompt tokens computed for requests whose first token came
         for k, req in enumerate(progressed):
             try:
-                prefilled += self._emit_one(req, logprobs[k] if logprobs is not None else None, now)
+                p, g = self._emit_one(req, appended[k], logprobs[k] if logprobs is not None else None, now)
+                prefilled, generated = prefilled + p, generated + g
                 ok.append(req)
             except Exception as exc:
                 log.exception("output processing failed for request %s", req.request_id)
                 failed[req] = exc
-        self.generation_tokens_total += len(progressed)
+        self.generation_tokens_total += generated
         if self.latency_sink is not None:  # vLLM's tokens per engine step
-            self.latency_sink.record_iteration_tokens(prefilled + len(progressed))
+            self.latency_sink.record_iteration_tokens(prefilled + generated)
         if len(ok) < len(progressed):
             dropped = {req.group for req in failed}
             ok = [req for req in ok if req.group not in dropped]
         return self.outputs.collect(ok)
 
-    def _emit_one(self, req: Request, logprob, now: float) -> int:
-        """Records one new token; returns the prompt tokens computed (not cached) for the
-        request when this is its first token, else 0."""
+    def _emit_one(self, req: Request, num_new: int, logprobs, now: float) -> tuple[int, int]:
+        """Records a request's `num_new` newest tokens (a stop string may end it at any of
+        them; the rest are dropped); returns the prompt tokens computed (not cached) when
+        the first token came this step, and the tokens emitted."""
         sink = self.latency_sink
         times = req.times
         prefilled = 0
-        if len(req.output_token_ids) == 1:
+        first = len(req.output_token_ids) - num_new  # the output's length before this step
+        if first == 0:
             cached = req.num_cached_tokens or 0
             self.prompt_tokens_total += req.num_prompt_tokens
             self.prompt_tokens_cached_total += cached
@@ -268,18 +271,21 @@ class LLMEngine:
             times.first_token = now
             if sink is not None and self.outputs.first_token_of_group(req):
                 sink.record_first_token(now - times.arrival)
-        elif sink is not None:
+        elif sink is not None:  # one gap per step, as vLLM's with speculation
             sink.record_inter_token(now - times.last_token)
         times.last_token = now
-        stop = self.outputs.on_token(req, logprob)
-        if stop is not None and not req.status.finished:
+        stop, emitted = self.outputs.on_new_tokens(req, num_new, logprobs)
+        if stop is not None:
             req.stop_reason = stop
-            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            if not req.status.finished:
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            elif emitted < num_new:  # it had ended on a later token, which is gone
+                req.status = RequestStatus.FINISHED_STOPPED
         if req.status.finished:
             self.outputs.on_finished(req)
             if sink is not None:
                 sink.record_finished(finished_record(req, req.status.value))
-        return prefilled
+        return prefilled, emitted
 
     def stats(self) -> EngineStats:
         prefix = self.kv_cache.prefix_stats
@@ -297,4 +303,6 @@ class LLMEngine:
             generation_tokens_total=self.generation_tokens_total,
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
+            spec_decode=None if self.speculator is None else self.speculator.stats.copy(),
+            num_speculative_tokens=None if self.speculator is None else self.speculator.num_speculative_tokens,
         )

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .quant_compressed_tensors import (METHOD as COMPRESSED_TENSORS, CompressedTensorsConfig, decoder_in_features,
+                                       decoder_plan, is_compressed_tensors, parse as parse_compressed_tensors)
 
 # HF `architectures` entry -> our model family. Mistral is Llama-shaped.
 ARCHITECTURES = {
@@ -19,9 +23,16 @@ DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 ROPE_TYPES = ("default", "linear", "llama3")  # what models/rotary.py computes
 
 
-def unimplemented(raw: dict[str, Any]) -> str | None:
+def quant_method(raw: dict[str, Any]) -> str:
+    quant = raw.get("quantization_config")
+    return quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+
+
+def unimplemented(raw: dict[str, Any], compressed_tensors: bool = False) -> str | None:
     """Why the engine would compute a different network than this config.json describes
-    (a field it does not implement), or None. Such a model is refused, never served wrong."""
+    (a field it does not implement), or None. Such a model is refused, never served wrong.
+    compressed_tensors: let compressed-tensors checkpoints through (the engine reads them,
+    after their own checks; the simulator models float weights only)."""
     window = raw.get("sliding_window")
     # Mistral applies a window whenever one is set; Qwen2 only with use_sliding_window
     # (false unless given, as in transformers' Qwen2Config).
@@ -37,11 +48,12 @@ def unimplemented(raw: dict[str, Any]) -> str | None:
         return f"hidden_act={act!r} is not implemented (only silu)"
     if raw.get("mlp_bias"):
         return "mlp_bias=true is not implemented"
-    quant = raw.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        return (f"quantization_config (quant_method={method!r}) is not implemented: only float32, "
-                f"bfloat16 and float16 weights are read")
+    if raw.get("quantization_config") and not (compressed_tensors and is_compressed_tensors(raw)):
+        read = ("compressed-tensors W4A16 and W8A16 checkpoints are, and float32, bfloat16 and float16 "
+                "weights" if compressed_tensors else "only float32, bfloat16 and float16 weights")
+        return (f"quantization_config (quant_method={quant_method(raw)!r}): checkpoints already "
+                f"quantized (GPTQ, AWQ and others) are not read yet ({read}); serve the float "
+                f"checkpoint, with --quantization int8 or int4 to quantize it at load")
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type not in ROPE_TYPES:
@@ -68,6 +80,8 @@ class ModelConfig:
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # A compressed-tensors checkpoint's quantization (its decoder linears are integers).
+    compressed_tensors: CompressedTensorsConfig | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -76,7 +90,22 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+    def from_dict(cls, raw: dict[str, Any], quantization: str | None = None) -> ModelConfig:
+        """`quantization`: the engine's quantize-at-load scheme, which needs float weights, or
+        compressed-tensors (vLLM's name), which needs a checkpoint in that format."""
+        if quantization == COMPRESSED_TENSORS:
+            if not is_compressed_tensors(raw):
+                has = (f"quantization_config (quant_method={quant_method(raw)!r})"
+                       if raw.get("quantization_config") else "no quantization_config")
+                raise ValueError(f"quantization={quantization!r} reads a compressed-tensors checkpoint, "
+                                 f"but config.json has {has}")
+        elif quantization and raw.get("quantization_config"):
+            hint = (f"; or drop quantization: {COMPRESSED_TENSORS} checkpoints are served as they are"
+                    if is_compressed_tensors(raw) else "")
+            raise ValueError(
+                f"quantization={quantization!r} quantizes float weights at load, but config.json has "
+                f"quantization_config (quant_method={quant_method(raw)!r}): its weights are already "
+                f"quantized; give the float checkpoint{hint}")
         archs = raw.get("architectures") or []
         family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
         if family is None:
@@ -84,7 +113,7 @@ class ModelConfig:
                 f"config.json: architectures={archs!r} is not supported; "
                 f"supported: {sorted(ARCHITECTURES)}"
             )
-        why = unimplemented(raw)
+        why = unimplemented(raw, compressed_tensors=True)
         if why is not None:
             raise ValueError(f"config.json: {why}")
         heads = int(raw["num_attention_heads"])
@@ -100,7 +129,7 @@ class ModelConfig:
             rope_scaling = dict(rope_params)
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"config.json: torch_dtype={dtype!r} is not supported")
-        return cls(
+        config = cls(
             architecture=family,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
@@ -119,10 +148,16 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
         )
+        if not is_compressed_tensors(raw):
+            return config
+        ct = parse_compressed_tensors(raw["quantization_config"])
+        # At start-up, before any weight is read: schemes the engine's layout cannot hold.
+        decoder_plan(ct, config.num_hidden_layers, decoder_in_features(config))
+        return dataclasses.replace(config, compressed_tensors=ct)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+    def from_dir(cls, model_dir: str | Path, quantization: str | None = None) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ValueError(f"model: {model_dir} has no config.json")
-        return cls.from_dict(json.loads(path.read_text()))
+        return cls.from_dict(json.loads(path.read_text()), quantization)

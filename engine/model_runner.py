@@ -15,12 +15,17 @@ from .cpu_linear import pack_linears, packed_linear_available
 from .cpu_malloc import keep_freed_memory
 from .cpu_threads import release_openmp_pool
 from .device import pick_device, pick_dtype
+from .draft_model import DraftModel
 from .executor import StepResult
 from .model_config import ModelConfig
 from .models.llama import LlamaForCausalLM
 from .outputs import TokenLogprob
+from .quant_compressed_tensors_load import load_compressed_tensors
+from .quantization import quantize_decoder, weight_bytes
+from .request import Request
 from .sampler import Sampler, SamplerOutput, SamplingBatch
 from .scheduler import SchedulerOutput
+from .spec_verify import verify_step
 from .step_inputs import BlockTables, StepInputs
 from .step_staging import StagedStep, StepStaging
 from .weights import iter_safetensors
@@ -50,11 +55,29 @@ class ModelRunner:
         self.model = LlamaForCausalLM.build(
             model_cfg, self.attention, model_cfg.max_position_embeddings, self.dtype, self.device,
         )
-        self.model.load_weights(iter_safetensors(model_dir))
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # Before oneDNN packing: quantized layers are not nn.Linear, so they stay unpacked.
+        if model_cfg.compressed_tensors is not None:
+            self.quantization = load_compressed_tensors(self.model, iter_safetensors(model_dir),
+                                                        model_cfg.compressed_tensors)
+        else:
+            self.model.load_weights(iter_safetensors(model_dir))
+            self.quantization = (quantize_decoder(self.model, config.quantization)
+                                 if config.quantization else None)
+        self.weight_bytes = weight_bytes(self.model)
+        spec = config.speculative_config
+        self.draft: DraftModel | None = None
+        if spec is not None and spec.method == "draft_model":
+            # Its own attention: the torch backend's gather workspace has one cache layout.
+            draft_attention = PagedAttention(self.backend)
+            draft_attention.use_decode_kernel(self.attention.decode_kernel)
+            self.draft = DraftModel(spec.model, model_cfg, config.max_model_len or self.max_position_embeddings,
+                                    draft_attention, self.dtype, self.device, self.block_size)
+            self.weight_bytes += self.draft.weight_bytes
         self.packed_linears = 0
         if packed_linear_available(self.dtype, self.device):
             self.packed_linears = pack_linears(self.model)
+            if self.draft is not None:
+                self.packed_linears += pack_linears(self.draft.model)
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_tables = BlockTables()
@@ -77,7 +100,12 @@ class ModelRunner:
                       f"(captured in {self.graphs.capture_seconds:.1f} s)")
         elif self.device.type == "cuda":
             graphs = "; eager (no CUDA graphs)"
+        if self.quantization is not None:
+            linears += f"; {self.quantization.describe()}"
         memory = "; freed memory kept in the process (mallopt)" if self.kept_freed_memory else ""
+        if self.draft is not None:
+            memory += (f"; draft model {self.config.speculative_config.model} "
+                       f"({self.draft.weight_bytes / 2**20:.1f} MiB of weights)")
         return (f"attention backend {self.backend}{decode}; {self.dtype} on {self.device}"
                 f"{linears}{graphs}{memory}")
 
@@ -102,13 +130,16 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         cfg = self.model_cfg
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        target = 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        return target + (self.draft.kv_bytes_per_block if self.draft is not None else 0)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """The cache's blocks; with CUDA graphs one more, the pad rows' scratch block (the
         block pool never sees it), then the graphs' capture."""
         cfg = self.model_cfg
         self.kv_caches = self._make_kv_caches(num_blocks + self.use_cuda_graphs)
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(num_blocks)
         if self.use_cuda_graphs:
             self.graphs = DecodeGraphs(
                 self.model, self.kv_caches, capture_sizes(self.config.max_num_seqs),
@@ -144,13 +175,24 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> StepResult:
         step = StepInputs.build(out, self.block_tables, self.block_size)
-        dev = self.device
         if (self.graphs is not None and max(step.query_lens) == 1
                 and self.graphs.fits(len(step.seq_lens), step.block_tables.shape[1])):
             hidden = self.graphs.run(DecodeRows(
                 step.input_ids, step.positions, step.slot_mapping, step.block_tables,
                 torch.tensor(step.seq_lens, dtype=torch.int32)))  # [num_seqs, hidden]
             return self._sample(step, hidden)
+        hidden = self.forward(step, self.model, self.kv_caches)  # [num_tokens, hidden]
+        return self._sample(step, hidden)
+
+    def propose_drafts(self, requests: list[Request], num_drafts: list[int]) -> None:
+        """The draft model's tokens for each request (speculative decoding, draft_model)."""
+        self.draft.propose(requests, num_drafts, self.forward, self.block_tables)
+
+    def forward(self, step: StepInputs, model: LlamaForCausalLM,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One eager forward pass of `model` (the target, or the draft through its own
+        cache) over a step's inputs; the hidden states, [num_tokens, hidden]."""
+        dev = self.device
         if self.staging is not None:
             staged = self.staging.upload(step.input_ids, step.positions, step.slot_mapping,
                                          step.block_tables, step.seq_lens, step.query_start_loc)
@@ -168,26 +210,28 @@ class ModelRunner:
                 step.block_tables, step.seq_lens, step.query_lens, self.block_size, dev,
                 decode_kernel=self.attention.decode_kernel is not None),
         )
-        hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, meta)  # [num_tokens, hidden]
-        return self._sample(step, hidden)
+        return model(staged.input_ids, staged.positions, kv_caches, meta)
 
     def _sample(self, step: StepInputs, hidden: torch.Tensor) -> StepResult:
         dev = self.device
         if not step.sample_rows:
             return StepResult([], [])
+        if step.spec_drafts:
+            return verify_step(self.model.compute_logits, hidden, step.sample_rows, step.sample_requests,
+                               step.spec_drafts, self.sampler, dev)
         logits = self.model.compute_logits(hidden[torch.tensor(step.sample_rows, device=dev)])
         batch = SamplingBatch.build(step.sample_requests, logits.shape[-1], dev)
         sampled = self.sampler(logits, batch)
-        return StepResult(step.sample_requests, sampled.token_ids.tolist(),
+        return StepResult(step.sample_requests, [[t] for t in sampled.token_ids.tolist()],
                           _host_logprobs(sampled))
 
 
-def _host_logprobs(s: SamplerOutput) -> list[TokenLogprob] | None:
+def _host_logprobs(s: SamplerOutput) -> list[list[TokenLogprob]] | None:
     """One host copy of the step's logprob tensors, one row per sampled request."""
     if s.logprob is None:
         return None
     chosen, ids, lps = s.logprob.tolist(), s.top_ids.tolist(), s.top_logprobs.tolist()
-    return [TokenLogprob(t, chosen[i], list(zip(ids[i], lps[i])))
+    return [[TokenLogprob(t, chosen[i], list(zip(ids[i], lps[i])))]
             for i, t in enumerate(s.token_ids.tolist())]
 
 

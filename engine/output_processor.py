@@ -46,11 +46,25 @@ class OutputProcessor:
         seen, group.first_token_seen = group.first_token_seen, True
         return not seen
 
+    def on_new_tokens(self, req: Request, num_new: int,
+                      logprobs: list[TokenLogprob] | None) -> tuple[str | None, int]:
+        """Record the request's `num_new` newest tokens in order (one, or with speculation
+        several); at a stop string, drop the request's tokens after it. Returns the stop
+        string (or None) and the tokens kept."""
+        first = len(req.output_token_ids) - num_new
+        for j in range(num_new):
+            stop = self.on_token(req, req.output_token_ids[first + j],
+                                 logprobs[j] if logprobs is not None else None, last=j == num_new - 1)
+            if stop is not None:
+                del req.output_token_ids[first + j + 1:]  # accepted drafts past the stop string
+                return stop, j + 1
+        return None, num_new
+
     @staticmethod
-    def on_token(req: Request, logprob: TokenLogprob | None) -> str | None:
-        """Record the request's newest token; return the stop string it completed, if any."""
+    def on_token(req: Request, token: int, logprob: TokenLogprob | None, last: bool = True) -> str | None:
+        """Record one of the request's new tokens (in order; `last`: the newest, which a
+        stop token ends); return the stop string it completed, if any."""
         out = req.completion
-        token = req.output_token_ids[-1]
         out.token_ids.append(token)
         params = req.sampling_params
         if logprob is not None and out.logprobs is not None:
@@ -60,7 +74,8 @@ class OutputProcessor:
         detok = req.detokenizer
         if detok is None:
             return None
-        ended_by_stop_token = req.status is RequestStatus.FINISHED_STOPPED and token in req.stop_token_ids
+        ended_by_stop_token = (last and req.status is RequestStatus.FINISHED_STOPPED
+                               and token in req.stop_token_ids)
         before = len(detok.text)
         if not ended_by_stop_token:
             detok.add([token])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -74,3 +75,5 @@ class EngineStats:
     max_model_len: int
     executor_counters: dict[str, float] = field(default_factory=dict)  # e.g. simulated step time
     prompt_tokens_cached_total: int = 0  # of prompt_tokens_total, supplied by the prefix cache
+    spec_decode: Any = None  # the speculator's SpecDecodeStats (a copy), when speculation is configured
+    num_speculative_tokens: int | None = None  # in effect (live-tunable), when configured

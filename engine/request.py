@@ -67,6 +67,10 @@ class Request:
     completion: CompletionOutput | None = None  # the choice as the user sees it so far
     detokenizer: IncrementalDetokenizer | None = None  # None when detokenize is off
     penalty_counts: Any = None  # the sampler's PenaltyCounts, once the request has penalties
+    # Speculation: draft tokens proposed after the last step, verified by the next one.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: Any = None  # a draft model's distributions of them ([K', vocab]), when sampled
+    draft_num_computed: int = 0  # leading tokens whose KV the draft model holds
 
     @property
     def all_token_ids(self) -> list[int]:

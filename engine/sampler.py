@@ -113,20 +113,28 @@ class Sampler:
         return out
 
     def _random(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        temp = torch.where(batch.temperature == 0, 1.0, batch.temperature)
-        logits = logits / temp[:, None]
-        if batch.top_k is not None or batch.top_p is not None:
-            logits = _top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        if batch.min_p is not None:
-            floor = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < floor, 0.0)
+        probs = processed_probs(logits, batch)  # [B, vocab]
         noise = torch.empty_like(probs)
         noise.exponential_()
         for i, gen in enumerate(batch.generators):
             if gen is not None:
                 noise[i].exponential_(generator=gen)
         return argmax_rows(probs / noise)
+
+
+def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution a random row samples from: temperature, top-k/top-p, then min-p
+    (unnormalised after min-p; sampling and speculation's verification both allow that).
+    Greedy rows get temperature 1 here; their callers take the argmax instead."""
+    temp = torch.where(batch.temperature == 0, 1.0, batch.temperature)
+    logits = logits / temp[:, None]  # [B, vocab]
+    if batch.top_k is not None or batch.top_p is not None:
+        logits = _top_k_top_p(logits, batch.top_k, batch.top_p)
+    probs = torch.softmax(logits, dim=-1)  # [B, vocab]
+    if batch.min_p is not None:
+        floor = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
 
 
 def _top_k_top_p(

@@ -22,12 +22,15 @@ class SchedulerLimits:
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # the spec tokens included
+    # Draft tokens verified this step (they follow the request's last token in the batch).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the request's last token, so its logits are sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return (self.request.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids)
+                == self.request.num_tokens)
 
 
 @dataclass
@@ -86,6 +89,12 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            spec = request.spec_token_ids
+            if spec:
+                # Drafts ride with a decode; the budget cuts drafts, never the real token.
+                request.spec_token_ids = []
+                spec = spec[:max(0, budget - num_new)] if num_new == 1 else []
+                num_new += len(spec)
             if num_new > budget:
                 num_new = budget
             while allocate(request, num_new) is None:
@@ -96,7 +105,8 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            scheduled.append(ScheduledRequest(request, num_new))
+            scheduled.append(ScheduledRequest(request, num_new, spec) if spec
+                             else ScheduledRequest(request, num_new))
             budget -= num_new
             i += 1
         # 2. Admit waiting requests in arrival order, unless this step already ran short.
@@ -130,25 +140,44 @@ class Scheduler:
         """Preempt by recompute: drop its KV blocks and queue it first in line."""
         self.kv_cache.free(request)
         self._freed.append(request)
-        request.num_computed_tokens = 0
+        request.spec_token_ids, request.spec_draft_probs = [], None
+        # Its draft KV goes with its blocks: back in, it may hit cached blocks that some
+        # other request's target computed but whose draft KV nobody wrote.
+        request.num_computed_tokens = request.draft_num_computed = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def update(self, out: SchedulerOutput, sampled_requests: list[Request],
-               token_ids: list[int]) -> list[Request]:
-        """Advance computed tokens, append the sampled tokens (one per sampled request,
-        aligned); return the requests that got a token."""
+               token_ids: list[list[int]]) -> list[int]:
+        """Advance computed tokens and append each sampled request's new tokens (one, or
+        with speculation its accepted drafts and one more; aligned with sampled_requests);
+        return how many each appended before it finished (the rest are dropped)."""
         for item in out.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
-        for request, token in zip(sampled_requests, token_ids):
+            # Rejected drafts' KV is not computed: it is past the request's tokens, and
+            # the blocks that held only such slots go back to the pool.
+            item.request.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)
+        appended = []
+        for request, tokens in zip(sampled_requests, token_ids):
             # max_tokens was fixed against max_model_len at admission, so a live change
             # of max_model_len never cuts a request already accepted.
-            status = request.append_token(token)
-            if status is not None:
-                self.finish(request, status)
-        return sampled_requests
+            n = 0
+            for token in tokens:
+                n += 1
+                status = request.append_token(token)
+                if status is not None:
+                    self.finish(request, status)
+                    break
+            appended.append(n)
+            if n > 1:
+                # The accepted drafts' KV was written by this step (their slots follow the
+                # last computed token), so they count as computed; the last token does not.
+                request.num_computed_tokens += n - 1
+        for item in out.scheduled:
+            if item.spec_token_ids and not item.request.status.finished:
+                self.kv_cache.trim(item.request)
+        return appended
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request (stop, length or abort) and free its blocks; idempotent."""

@@ -64,23 +64,54 @@ class StepInputs:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
     sample_rows: list[int]  # the token row whose logits each sampling request samples from
     sample_requests: list[Request]
+    # Per sampling request, the drafts whose rows follow its sample row (speculation);
+    # empty when no request in the step has any.
+    spec_drafts: list[list[int]]
 
     @classmethod
     def build(cls, out: SchedulerOutput, tables: BlockTables, block_size: int) -> StepInputs:
         tables.release(out.freed)
         ids: list[int] = []
         starts, query_lens, rows = [], [], []
-        sample_rows, sample_requests = [], []
+        sample_rows, sample_requests, spec_drafts = [], [], []
         for item in out.scheduled:
             req = item.request
             start = req.num_computed_tokens
-            ids += req.token_at(start, start + item.num_new_tokens)
+            drafts = item.spec_token_ids
+            ids += req.token_at(start, start + item.num_new_tokens - len(drafts))
             starts.append(start)
             query_lens.append(item.num_new_tokens)
             rows.append(tables.sync(req))
             if item.samples:
                 sample_rows.append(len(ids) - 1)
                 sample_requests.append(req)
+                spec_drafts.append(drafts)
+            if drafts:
+                ids += drafts
+        return cls._assemble(ids, starts, query_lens, rows, tables, block_size, sample_rows, sample_requests,
+                             spec_drafts if any(spec_drafts) else [])
+
+    @classmethod
+    def for_rows(cls, rows: list[tuple[Request, int, list[int]]], tables: BlockTables,
+                 block_size: int) -> StepInputs:
+        """Inputs for (request, first position, tokens) rows, each sampling its last token:
+        a draft model's passes, which feed what the scheduler did not schedule, through
+        the same block tables (the draft's cache has the target's block layout)."""
+        ids: list[int] = []
+        starts, query_lens, table_rows, sample_rows = [], [], [], []
+        for req, start, tokens in rows:
+            ids += tokens
+            starts.append(start)
+            query_lens.append(len(tokens))
+            table_rows.append(tables.sync(req))
+            sample_rows.append(len(ids) - 1)
+        return cls._assemble(ids, starts, query_lens, table_rows, tables, block_size, sample_rows,
+                             [req for req, _, _ in rows], [])
+
+    @classmethod
+    def _assemble(cls, ids: list[int], starts: list[int], query_lens: list[int], rows: list[int],
+                  tables: BlockTables, block_size: int, sample_rows: list[int], sample_requests: list[Request],
+                  spec_drafts: list[list[int]]) -> StepInputs:
         seq_lens = [s + n for s, n in zip(starts, query_lens)]
         q = torch.tensor(query_lens)  # [num_seqs]
         ends = torch.cumsum(q, 0)  # [num_seqs]
@@ -93,4 +124,5 @@ class StepInputs:
         blocks = block_tables[owner, positions // block_size].long()  # [num_tokens]
         return cls(torch.tensor(ids), positions, blocks * block_size + positions % block_size,
                    block_tables, seq_lens, query_lens,
-                   torch.cat([ends.new_zeros(1), ends]).to(torch.int32), sample_rows, sample_requests)
+                   torch.cat([ends.new_zeros(1), ends]).to(torch.int32), sample_rows, sample_requests,
+                   spec_drafts)

@@ -1,6 +1,6 @@
 """Compile every kernel variant for a real GPU target without a GPU.
 
-    python -m kvpilot.kernels.compile_check [--arch 90] [--json]
+    python -m kvpilot.kernels.compile_check [--arch 90] [--json] [--kernels quant,...]
 
 The interpreter (``TRITON_INTERPRET=1``) is lenient: it runs code that the real
 compiler rejects (non-constexpr globals, unsupported dot shapes, type mixes). This
@@ -43,6 +43,22 @@ VARIANTS = [
     ("write", 128, 16, 8, 8, "bfloat16", None),
     ("write", 80, 32, 4, 4, "float32", None),
 ]
+
+# Integer-weight GEMM variants (kernels/quant_gemm.py): (M, K, N, bits, group_size, dtype,
+# bias, split_k). Llama-3-8B layer shapes over the three tile configurations (M <= 16, <= 64,
+# larger), both scale paths (one group per K tile; per-row groups when group_size % BLOCK_K
+# != 0), split-K (atomic fp32 adds; the CPU's wrapper would never choose it), fp32.
+QUANT_VARIANTS = [
+    (1, 4096, 14336, 4, 128, "float16", False, None),
+    (1, 4096, 4096, 4, 128, "bfloat16", False, 3),
+    (16, 4096, 4096, 8, 4096, "bfloat16", True, 4),
+    (64, 4096, 4096, 4, 128, "bfloat16", False, None),
+    (256, 4096, 14336, 4, 128, "float16", False, None),
+    (256, 14336, 4096, 8, 14336, "bfloat16", True, None),
+    (3, 200, 1000, 4, 64, "float16", True, None),
+    (17, 96, 40, 8, 128, "float32", True, None),
+]
+KERNEL_FAMILIES = ("decode", "prefill", "write", "quant")
 
 
 def _ptxas_usage(ptx: str, arch: int) -> dict[str, int]:
@@ -140,7 +156,38 @@ def compile_only(arch: int) -> Iterator[list[dict[str, Any]]]:
         jit.JITFunction.run = original_run
 
 
-def run(arch: int = 90, variants: list[tuple] | None = None) -> list[dict[str, Any]]:
+def run_quant(arch: int = 90, variants: list[tuple] | None = None) -> list[dict[str, Any]]:
+    """Compile the integer-weight GEMM's variants (``QUANT_VARIANTS``)."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("compile_check needs TRITON_INTERPRET unset or 0")
+    import torch
+
+    from kvpilot.engine.quant_pack import per_word
+    from kvpilot.kernels.quant_gemm import quant_matmul
+
+    rows = []
+    for m, k, n, bits, group_size, dtype_name, bias, split_k in variants or QUANT_VARIANTS:
+        dtype = getattr(torch, dtype_name)
+        groups = -(-k // group_size)
+        variant = {"variant": "quant", "m": m, "k": k, "n": n, "bits": bits, "group_size": group_size,
+                   "dtype": dtype_name, "bias": bias, "split_k": split_k}
+        try:
+            with compile_only(arch) as records:
+                quant_matmul(torch.zeros(m, k, dtype=dtype),  # [M, K]
+                             torch.zeros(k // per_word(bits), n, dtype=torch.int32),  # [K // per_word, N]
+                             torch.ones(groups, n, dtype=dtype),  # scales [num_groups, N]
+                             torch.zeros(groups, n, dtype=dtype),  # zeros [num_groups, N]
+                             bits, group_size,
+                             torch.zeros(n, dtype=dtype) if bias else None,  # [N]
+                             split_k=split_k)
+            rows += [{**variant, **r, "ok": r["has_cubin"]} for r in records]
+        except Exception as exc:
+            rows.append({**variant, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:4000]})
+    return rows
+
+
+def run(arch: int = 90, variants: list[tuple] | None = None,
+        kernels: tuple[str, ...] = KERNEL_FAMILIES) -> list[dict[str, Any]]:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("compile_check needs TRITON_INTERPRET unset or 0")
     import torch
@@ -152,6 +199,8 @@ def run(arch: int = 90, variants: list[tuple] | None = None) -> list[dict[str, A
 
     rows = []
     for kernel, head_dim, block_size, heads, kv_heads, dtype_name, splits in variants or VARIANTS:
+        if kernel not in kernels:
+            continue
         dtype = getattr(torch, dtype_name)
         lens = [block_size + 1, 3 * block_size]
         q_lens = [1, 1] if kernel == "decode" else [block_size + 1, 5]
@@ -172,6 +221,8 @@ def run(arch: int = 90, variants: list[tuple] | None = None) -> list[dict[str, A
             rows += [{**variant, **r, "ok": r["has_cubin"]} for r in records]
         except Exception as exc:
             rows.append({**variant, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:4000]})
+    if "quant" in kernels and variants is None:
+        rows += run_quant(arch)
     return rows
 
 
@@ -179,8 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvpilot.kernels.compile_check", description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (90 = H100/H200)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--kernels", default=",".join(KERNEL_FAMILIES),
+                        help=f"comma-separated kernel families to compile (default: all of {','.join(KERNEL_FAMILIES)})")
     args = parser.parse_args(argv)
-    rows = run(args.arch)
+    kernels = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
+    if unknown := set(kernels) - set(KERNEL_FAMILIES):
+        parser.error(f"--kernels: unknown {sorted(unknown)}; choose from {','.join(KERNEL_FAMILIES)}")
+    rows = run(args.arch, kernels=kernels)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -190,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['kernel']}: {r.get('registers', '?')} regs, spills {r.get('spill_store_bytes', '?')}B, "
                 f"smem {r['shared_bytes']}B, {r['compile_s']}s"
             )
+            if r["variant"] == "quant":
+                print(f"{status} quant   M={r['m']:3d} K={r['k']:5d} N={r['n']:5d} int{r['bits']} g={r['group_size']} "
+                      f"{r['dtype']:8s} bias={r['bias']} split_k={r['split_k']}: {detail}")
+                continue
             print(f"{status} {r['variant']:7s} d={r['head_dim']:3d} bs={r['block_size']:2d} g={r['group']} "
                   f"{r['dtype']:8s} splits={r['num_splits']}: {detail}")
     return 0 if all(r["ok"] for r in rows) else 1

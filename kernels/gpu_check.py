@@ -18,7 +18,13 @@ On a CUDA device it runs, in this order, within ``--budget-s`` seconds:
 4. the engine's decode tokens/s at batch 1 and 64 with CUDA graphs on and off, on a
    random model with Llama-3-8B's layer shapes (``--graphs-layers``, default 8 of 32),
    beside the roofline weight bytes / copy bandwidth (gpu_check_graphs.py);
-5. if time is left, the engine end to end on a random-weight model of
+5. batch-1 decode tokens/s without speculation, with n-gram drafts and with a random
+   Llama-3.2-1B-shaped draft model, on that target and a repeated prompt
+   (gpu_check_spec.py);
+6. the integer-weight GEMM (int4 group 128, int8 per-channel) on Llama-3-8B's linear
+   shapes at M = 1/16/64/256, checked against its reference, beside cuBLAS fp16 on the
+   dequantized weight (gpu_check_quant.py);
+7. if time is left, the engine end to end on a random-weight model of
    Llama-3.2-1B's shape (bf16): offline throughput at 1 and 64 concurrent
    requests, beside ``transformers`` ``generate`` on the same weights and prompts,
    then the engine's step times over the simulator's calibration and validation
@@ -46,12 +52,16 @@ from typing import Any, Callable
 from .gpu_check_correctness import run_correctness
 from .gpu_check_e2e import run_end_to_end
 from .gpu_check_graphs import format_graphs, run_decode_graphs
+from .gpu_check_quant import format_quant_gemm, run_quant_gemm
+from .gpu_check_spec import format_speculative, run_speculative
 
 LLAMA3_8B = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 DECODE_BATCHES = (1, 16, 64, 256)
 DECODE_CONTEXTS = (512, 2048, 8192)
 E2E_MIN_SECONDS = 100  # don't start the end-to-end part with less budget than this
+SPEC_MIN_SECONDS = 60  # nor the speculative-decoding part (after the graphs) with less than this beyond that
 GRAPHS_MIN_SECONDS = 90  # nor the CUDA-graph part (before it) with less than this beyond that
+QUANT_MIN_SECONDS = 30  # nor the quant GEMM part (after the speculative one) with less than this beyond that
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -300,6 +310,10 @@ def format_table(results: dict[str, Any]) -> str:
             lines.append(f"prefill: {prefill.get('error')}")
     if results.get("graphs"):
         lines += format_graphs(results["graphs"])
+    if results.get("speculative"):
+        lines += format_speculative(results["speculative"])
+    if results.get("quant_gemm"):
+        lines += format_quant_gemm(results["quant_gemm"])
     e2e = results.get("e2e")
     if e2e:
         if "error" in e2e:
@@ -357,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:  # after every part, so a hard crash later still leaves results
         results["elapsed_s"] = time.monotonic() - started
-        results["all_correct"] = all(r.get("ok") for r in results["correctness"] if "skipped" not in r)
+        results["all_correct"] = (all(r.get("ok") for r in results["correctness"] if "skipped" not in r)
+                                  and results.get("quant_gemm", {}).get("all_correct", True))
         out_path.write_text(json.dumps(results, indent=2, default=str))
 
     # Correctness first (each new kernel variant compiles once, ~1 s): at most ~45% of the budget.
@@ -380,6 +395,20 @@ def main(argv: list[str] | None = None) -> int:
         else:
             results["graphs"] = run_decode_graphs(results.get("copy_bandwidth", {}).get("gb_per_s"),
                                                   deadline - E2E_MIN_SECONDS, layers=args.graphs_layers)
+        save()
+        if args.skip_e2e:
+            results["speculative"] = {"skipped": "--skip-e2e"}
+        elif deadline - time.monotonic() < E2E_MIN_SECONDS + SPEC_MIN_SECONDS:
+            results["speculative"] = {"skipped": "out of time budget"}
+        else:
+            results["speculative"] = run_speculative(deadline - E2E_MIN_SECONDS, layers=args.graphs_layers)
+        save()
+        e2e_reserve = 0 if args.skip_e2e else E2E_MIN_SECONDS  # a kernel benchmark: runs with --skip-e2e too
+        if deadline - time.monotonic() < e2e_reserve + QUANT_MIN_SECONDS:
+            results["quant_gemm"] = {"skipped": "out of time budget"}
+        else:
+            results["quant_gemm"] = run_quant_gemm(deadline - e2e_reserve,
+                                                   copy_gb_per_s=results.get("copy_bandwidth", {}).get("gb_per_s"))
         save()
         if args.skip_e2e:
             results["e2e"] = {"skipped": "--skip-e2e"}

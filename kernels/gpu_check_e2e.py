@@ -11,6 +11,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from kvpilot.engine.bench_quantization import common_prefix_len
+
 # Llama-3.2-1B's shape, for make_tiny_model (random weights; nothing is downloaded).
 LLAMA32_1B = {
     "layers": 16, "hidden": 2048, "heads": 32, "kv_heads": 8, "intermediate": 8192, "vocab": 128256,
@@ -112,7 +114,7 @@ def run_end_to_end(
             if n in ours:  # greedy agreement (bf16 near-ties may legitimately diverge late)
                 pairs = list(zip(ours[n], hf_tokens))
                 entry["first_token_match"] = sum(a[:1] == b[:1] for a, b in pairs) / n
-                entry["mean_matching_prefix"] = sum(_common_prefix(a, b) for a, b in pairs) / n
+                entry["mean_matching_prefix"] = sum(common_prefix_len(a, b) for a, b in pairs) / n
             result[f"transformers_{n}"] = entry
         del model
     except Exception as exc:
@@ -141,12 +143,3 @@ def _record_steps(engine, model_dir: Path, grids: tuple[str, ...], out: Path, sy
     write_records(out, records, {"model": "gpu_check random model", "config": config,
                                  "device": str(engine.runner.device), "dtype": str(engine.runner.dtype)})
     return {"file": str(out), "records": len(records), "s": time.monotonic() - t}
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -113,6 +113,31 @@ class Kube:
         return self._call("GET", f"/api/v1/namespaces/{namespace}/pods",
                           query=[("labelSelector", selector)]).get("items") or []
 
+    def last_log_line(self, namespace: str, pod: str, container: str) -> str | None:
+        """The last JSON line among the last few a container logged (a model download's
+        progress; a library's warning may follow it); None when there is none, or the log
+        cannot be read (the container just started, or is gone)."""
+        from kubernetes.client.exceptions import ApiException
+        path = f"/api/v1/namespaces/{namespace}/pods/{pod}/log"
+        query = [("container", container), ("tailLines", "5")]
+        metrics.API_REQUESTS.labels("GET").inc()
+        try:
+            if not hasattr(self.api, "param_serialize"):  # kubernetes < 35
+                text = self.api.call_api(path, "GET", query_params=query, response_type="str",
+                                         auth_settings=["BearerToken"], _return_http_data_only=True)
+            else:
+                resp = self.api.call_api(*self.api.param_serialize("GET", path, query_params=query,
+                                                                   auth_settings=["BearerToken"]))
+                resp.read()
+                if resp.status >= 400:
+                    return None
+                text = resp.data.decode("utf-8", "replace")
+        except (ApiException, OSError) as e:
+            log.debug("reading %s/%s %s log: %s", namespace, pod, container, e)
+            return None
+        lines = [line for line in (text or "").strip().splitlines() if line.startswith("{")]
+        return lines[-1] if lines else None
+
     def patch_scale(self, namespace: str, name: str, replicas: int) -> dict:
         """spec.replicas through the LLMDeployment's scale subresource, as an HPA would."""
         path = object_path(f"{GROUP}/{VERSION}", "LLMDeployment", namespace, name) + "/scale"

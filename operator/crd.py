@@ -111,6 +111,7 @@ PRINTER_COLUMNS = [
     {"name": "KV%", "type": "integer", "jsonPath": ".status.kvCacheUsagePercent"},
     {"name": "Mode", "type": "string", "jsonPath": ".spec.autotune.mode"},
     {"name": "Simulated", "type": "string", "jsonPath": ".status.simulated"},
+    {"name": "Model", "type": "string", "jsonPath": ".status.model.progress"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -1,5 +1,5 @@
 """The pure builder of the engine Deployment. Live settings (max_num_seqs,
-max_model_len) are not in the pod template: they reach the pods through the
+max_model_len, num_speculative_tokens) are not in the pod template: they reach the pods through the
 tuning ConfigMap, so changing them never rolls pods. Everything else is in the
 template and its hash annotation, so changing it does."""
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 
+from .model_download import MODEL_CACHE_VOLUME, cache_volume, init_container, pinned_source, remote_source
 from .objects import (HTTP_PORT, TUNING_DIR, TUNING_FILE, Owner, metadata, selector_labels,
                       tuning_configmap_name)
 from .simulate import SIMULATED_LABEL, sim_model_projection, simulate_args
@@ -19,6 +20,7 @@ MODELS_DIR = "/models"
 # chart's operator pod uses the same path.
 SCRATCH_DIR = "/scratch"
 CACHE_DIR = "/var/cache/kvpilot"
+MODELS_CACHE_DIR = f"{CACHE_DIR}/models"  # hf:// and s3:// models (model_download.py)
 RUN_AS = 65532
 PRESTOP_SLEEP_S = 5  # within terminationGracePeriodSeconds (30)
 SECCOMP = {"type": "RuntimeDefault"}
@@ -60,6 +62,8 @@ def engine_args(owner: Owner, spec: LLMDeploymentSpec, model_arg: str | None) ->
         args += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
     if e.simulate is not None:
         args += simulate_args(e.simulate)
+    if e.speculative is not None:  # K here is the most; the tuning file sets the value in effect
+        args += ["--speculative-config", json.dumps(e.speculative.engine_config(), sort_keys=True)]
     if e.api_key_secret_ref is not None:
         args += ["--api-key", "$(KVPILOT_API_KEY)"]
     return args + list(e.extra_args)
@@ -106,13 +110,21 @@ def tuning_volume(owner: Owner, spec: LLMDeploymentSpec) -> dict:
     return {"name": "tuning", "projected": {"sources": [{"configMap": tuning}, extra]}}
 
 
-def build_pod_template(owner: Owner, spec: LLMDeploymentSpec) -> dict:
-    model_arg, model_volume, model_mount = (model_source(spec.model.source) if spec.model.source
-                                            else (None, None, None))
+def build_pod_template(owner: Owner, spec: LLMDeploymentSpec, model_revision: str | None = None) -> dict:
+    """model_revision: the commit an hf:// source resolved to (status.model.revision)."""
+    remote = remote_source(spec)
+    if remote is not None:  # fetched by the init container, read offline from the cache
+        model_arg, model_volume = pinned_source(spec, model_revision), cache_volume(spec)
+        model_mount = {"name": MODEL_CACHE_VOLUME, "mountPath": MODELS_CACHE_DIR, "readOnly": True}
+    else:
+        model_arg, model_volume, model_mount = (model_source(spec.model.source) if spec.model.source
+                                                else (None, None, None))
     simulated = spec.engine.simulate is not None
-    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-           {"name": "HOME", "value": SCRATCH_DIR}, {"name": "TMPDIR", "value": SCRATCH_DIR},
-           {"name": "KVPILOT_CACHE_DIR", "value": CACHE_DIR}]
+    base_env = [{"name": "HOME", "value": SCRATCH_DIR}, {"name": "TMPDIR", "value": SCRATCH_DIR},
+                {"name": "KVPILOT_CACHE_DIR", "value": CACHE_DIR}]
+    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}] + base_env
+    if remote is not None:
+        env.append({"name": "KVPILOT_MODEL_OFFLINE", "value": "1"})
     if spec.engine.api_key_secret_ref is not None:
         ref = spec.engine.api_key_secret_ref
         env.append({"name": "KVPILOT_API_KEY",
@@ -155,6 +167,10 @@ def build_pod_template(owner: Owner, spec: LLMDeploymentSpec) -> dict:
                             "fsGroup": RUN_AS, "seccompProfile": SECCOMP},
         "containers": [container], "volumes": volumes,
     }
+    if remote is not None:
+        scratch = [{"name": "tmp", "mountPath": SCRATCH_DIR}]
+        pod_spec["initContainers"] = [init_container(spec, model_arg, MODELS_CACHE_DIR, base_env, scratch,
+                                                     container_security_context())]
     if sched.node_selector:
         pod_spec["nodeSelector"] = dict(sched.node_selector)
     if sched.tolerations:
@@ -179,10 +195,12 @@ def config_hash(template: dict) -> str:
     return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def build_deployment(owner: Owner, spec: LLMDeploymentSpec, replicas: int) -> dict:
+def build_deployment(owner: Owner, spec: LLMDeploymentSpec, replicas: int,
+                     model_revision: str | None = None) -> dict:
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata(owner, owner.name),
         "spec": {"replicas": replicas, "selector": {"matchLabels": selector_labels(owner)},
                  "revisionHistoryLimit": 3, "progressDeadlineSeconds": 1200,
-                 "strategy": rollout_strategy(spec), "template": build_pod_template(owner, spec)},
+                 "strategy": rollout_strategy(spec),
+                 "template": build_pod_template(owner, spec, model_revision)},
     }

@@ -1,7 +1,8 @@
 """Per-LLMDeployment series on the operator's /metrics, written from each status the
 reconcile computes: what the dashboards' autotuner row and the alerts read.
 
-  kvpilot_operator_setting{setting}            max_num_seqs, max_model_len, replicas in effect
+  kvpilot_operator_setting{setting}            max_num_seqs, max_model_len, replicas (and
+                                               num_speculative_tokens where configured) in effect
   kvpilot_operator_autotune_diagnosis{diagnosis}   1 for the current diagnosis, 0 for the others
   kvpilot_operator_capacity_fit_seqs           sequences of the p99 length the KV cache holds
   kvpilot_operator_objective_seconds{objective}  spec.autotune.objectives (tpot)
@@ -24,7 +25,7 @@ from .spec import LLMDeploymentSpec
 from .status import LLMDeploymentStatus
 
 ACTIONS = ("change", "revert")
-SETTINGS = ("max_num_seqs", "max_model_len", "replicas")
+SETTINGS = ("max_num_seqs", "max_model_len", "replicas", "num_speculative_tokens")
 DIAGNOSES = ("PreemptionBound", "SchedulerBound", "KVCacheBound", "LengthBound", "TPOTBound", "HardwareBound",
              "Healthy", "Idle", "NoData")
 KEY = ["llmdeployment_namespace", "llmdeployment"]
@@ -60,8 +61,8 @@ class DeploymentMetrics:
 
         effective = status.effective
         if effective is not None:
-            for setting in ("max_num_seqs", "max_model_len", "replicas"):
-                value = getattr(effective, setting)
+            for setting in SETTINGS:
+                value = getattr(effective, setting)  # num_speculative_tokens: None without speculation
                 if value is not None:
                     put(self.setting, value, setting)
         autotune = status.autotune
@@ -79,7 +80,8 @@ class DeploymentMetrics:
         if spec.autotune.mode != "Off":  # at 0 until a change: "no change" reads as 0, not as no data
             for action in ACTIONS:
                 for setting in SETTINGS:
-                    metrics.AUTOTUNE_DECISIONS.labels(*key, action, setting)
+                    if setting != "num_speculative_tokens" or spec.engine.speculative is not None:
+                        metrics.AUTOTUNE_DECISIONS.labels(*key, action, setting)
         for gauge, labels in self._series.get(key, set()) - seen:  # a condition that changed, a setting gone
             gauge.remove(*key, *labels)
         self._series[key] = seen

@@ -28,6 +28,11 @@ PROMETHEUS_QUERY_DURATION = Histogram("kvpilot_operator_prometheus_query_duratio
 RESYNC_PASSES = Histogram("kvpilot_operator_resync_duration_seconds",
                           "Duration of a resync pass over every LLMDeployment (list to last reconcile done)",
                           buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+# Started minus completed (the histogram's _count) is the passes in flight: a pass does
+# not wait for the previous one's stragglers, so under a backlog several overlap.
+RESYNC_PASSES_STARTED = Counter("kvpilot_operator_resync_passes_started_total",
+                                "Resync passes started (each lists every LLMDeployment and submits those "
+                                "not already in flight)")
 RESYNC_SKIPPED = Counter("kvpilot_operator_resync_skipped_total",
                          "LLMDeployments a resync pass skipped, by reason (in_flight: its previous pass is "
                          "still queued or running; locked: an event-triggered pass holds its lock)", ["reason"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .spec import GROUP, KIND, VERSION, LLMDeploymentSpec
+from .spec import GROUP, KIND, VERSION, LLMDeploymentSpec, spec_tokens_bounds
 from .status import Effective
 
 FIELD_MANAGER = "kvpilot-operator"
@@ -62,6 +62,13 @@ def effective_settings(spec: LLMDeploymentSpec, tuned: Effective | None = None) 
     """The settings to run: the autotuner's (when mode is Auto) clamped into the
     spec's bounds, else the spec's own. Never written back into the spec."""
     seqs, model_len, replicas = spec.engine.max_num_seqs, spec.engine.max_model_len, spec.replicas
+    spec_tokens = spec.engine.speculative.num_speculative_tokens if spec.engine.speculative else None
+    if spec_tokens is not None and spec.autotune.mode == "Auto":
+        # Starts at the configured K within the bounds (their max may be below it).
+        lo, hi = spec_tokens_bounds(spec)
+        if tuned is not None and tuned.num_speculative_tokens is not None:
+            spec_tokens = tuned.num_speculative_tokens
+        spec_tokens = min(max(spec_tokens, lo), hi)
     if tuned is not None and spec.autotune.mode == "Auto":
         b = spec.autotune
         if tuned.max_num_seqs is not None:
@@ -71,12 +78,15 @@ def effective_settings(spec: LLMDeploymentSpec, tuned: Effective | None = None) 
         if tuned.replicas is not None:
             a = spec.autoscaling
             replicas = min(max(tuned.replicas, a.min_replicas), a.max_replicas)
-    return Effective(max_num_seqs=seqs, max_model_len=model_len, replicas=replicas)
+    return Effective(max_num_seqs=seqs, max_model_len=model_len, replicas=replicas,
+                     num_speculative_tokens=spec_tokens)
 
 
 def tuning_json(effective: Effective) -> str:
-    return json.dumps({"max_num_seqs": effective.max_num_seqs,
-                       "max_model_len": effective.max_model_len}, sort_keys=True)
+    values = {"max_num_seqs": effective.max_num_seqs, "max_model_len": effective.max_model_len}
+    if effective.num_speculative_tokens is not None:  # only where the engine speculates
+        values["num_speculative_tokens"] = effective.num_speculative_tokens
+    return json.dumps(values, sort_keys=True)
 
 
 def build_configmap(owner: Owner, effective: Effective) -> dict:

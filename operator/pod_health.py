@@ -8,6 +8,7 @@ last exit code and termination message (FallbackToLogsOnError puts the log's tai
 from __future__ import annotations
 
 from .conditions import Problem
+from .model_download import INIT_CONTAINER
 
 # Waiting reasons that mean the container will not start without a change (ContainerCreating
 # and PodInitializing are the normal way up and are left out).
@@ -41,6 +42,8 @@ def container_problems(pod: dict) -> list[Problem]:
         reason = waiting.get("reason")
         if reason not in BLOCKING_REASONS:
             continue
+        if reason == "CrashLoopBackOff" and cs.get("name") == INIT_CONTAINER:
+            continue  # a failing model download: model_status names its cause (ModelUnauthorized, ...)
         detail = _last_exit(cs) or (f": {waiting['message']}" if waiting.get("message") else "")
         out.append(Problem(reason, f"pod {meta.get('name')} container {cs.get('name')}: {reason}, "
                                    f"{cs.get('restartCount', 0)} restart(s){detail}"))

@@ -12,14 +12,15 @@ from pydantic import ValidationError
 
 from . import faults
 from .apply import Kube
-from .conditions import Problem, Rollout, status_from
+from .conditions import CORE_CONDITIONS, Problem, Rollout, status_from
 from .deployment import build_deployment, pvc_claim
 from .objects import (Owner, build_configmap, build_pdb, build_service, effective_settings, endpoint_url,
                       selector_string)
+from .model_status import MODEL_READY, hub_token, model_progress, resolve_revision, unresolved
 from .pod_health import pod_problems
 from .simulate import simulated_summary
 from .spec import GROUP, KIND, VERSION, InvalidSpec, LLMDeploymentSpec, validate_spec
-from .status import AutotuneStatus, Condition, Effective, LLMDeploymentStatus
+from .status import AutotuneStatus, Condition, Effective, LLMDeploymentStatus, ModelStatus
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +109,9 @@ def find_problems(kube: Kube, namespace: str, spec: LLMDeploymentSpec) -> list[P
         problems.append(Problem("PVCNotFound", f"PersistentVolumeClaim {claim} (spec.model.source) does not exist"))
     ref = spec.engine.api_key_secret_ref
     if ref is not None:
-        secret = kube.get("v1", "Secret", namespace, ref.name)
-        if secret is None:
-            problems.append(Problem("SecretNotFound",
-                                    f"Secret {ref.name} (spec.engine.apiKeySecretRef) does not exist"))
-        elif ref.key not in (secret.get("data") or {}) and ref.key not in (secret.get("stringData") or {}):
-            problems.append(Problem("SecretKeyNotFound",
-                                    f"Secret {ref.name} has no key {ref.key} (spec.engine.apiKeySecretRef.key)"))
+        problems += secret_problems(kube, namespace, ref.name, [ref.key], "spec.engine.apiKeySecretRef",
+                                    "spec.engine.apiKeySecretRef.key")
+    problems += model_source_problems(kube, namespace, spec)
     sim = spec.engine.simulate
     cm_ref = sim.model_config_map if sim is not None else None
     if cm_ref is not None:
@@ -125,6 +122,33 @@ def find_problems(kube: Kube, namespace: str, spec: LLMDeploymentSpec) -> list[P
         elif cm_ref.key not in (cm.get("data") or {}) and cm_ref.key not in (cm.get("binaryData") or {}):
             problems.append(Problem("ConfigMapKeyNotFound", f"ConfigMap {cm_ref.name} has no key {cm_ref.key} "
                                     "(spec.engine.simulate.modelConfigMap.key)"))
+    return problems
+
+
+def secret_problems(kube: Kube, namespace: str, name: str, keys: list[str], where: str,
+                    key_where: str | None = None) -> list[Problem]:
+    """A Secret the spec names (at `where`) that is missing, or lacks one of `keys`."""
+    secret = kube.get("v1", "Secret", namespace, name)
+    if secret is None:
+        return [Problem("SecretNotFound", f"Secret {name} ({where}) does not exist")]
+    have = set(secret.get("data") or {}) | set(secret.get("stringData") or {})
+    return [Problem("SecretKeyNotFound", f"Secret {name} has no key {key} ({key_where or where})")
+            for key in keys if key not in have]
+
+
+def model_source_problems(kube: Kube, namespace: str, spec: LLMDeploymentSpec) -> list[Problem]:
+    """The Secrets and the cache PVC an hf:// or s3:// source names."""
+    m, problems = spec.model, []
+    if m.hf is not None and m.hf.token_secret_ref is not None:
+        ref = m.hf.token_secret_ref
+        problems += secret_problems(kube, namespace, ref.name, [ref.key], "spec.model.hf.tokenSecretRef")
+    if m.s3 is not None and m.s3.credentials_secret_ref is not None:
+        problems += secret_problems(kube, namespace, m.s3.credentials_secret_ref.name,
+                                    ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"], "spec.model.s3.credentialsSecretRef")
+    claim = m.cache.claim_name if m.cache is not None else None
+    if claim and kube.get("v1", "PersistentVolumeClaim", namespace, claim) is None:
+        problems.append(Problem("PVCNotFound", f"PersistentVolumeClaim {claim} (spec.model.cache.claimName) "
+                                               "does not exist"))
     return problems
 
 
@@ -173,7 +197,13 @@ def reconcile(kube: Kube, body, hook: AutotuneHook | None = None) -> Result:
     problems = find_problems(kube, owner.namespace, spec)
     tuned, report, autotune_conditions, announce = run_autotune(hook, owner, spec, prev, kube)
     effective = effective_settings(spec, tuned)
-    problems += pod_problems(kube.list_pods(owner.namespace, selector_string(owner)))
+    pods = kube.list_pods(owner.namespace, selector_string(owner))
+    model, model_condition = None, None
+    if (model := resolve_revision(spec, prev.model, lambda: hub_token(kube, owner.namespace, spec))) is not None:
+        model, model_condition, model_problems = model_progress(
+            model, pods, lambda pod, container: kube.last_log_line(owner.namespace, pod, container))
+        problems += model_problems
+    problems += pod_problems(pods)
     snapshot = report.snapshot if report is not None else None
     kv = None if snapshot is None or snapshot.kv_usage_mean is None else round(100 * snapshot.kv_usage_mean)
     sim = spec.engine.simulate
@@ -186,7 +216,9 @@ def reconcile(kube: Kube, body, hook: AutotuneHook | None = None) -> Result:
                           prev.observed_generation,
                           effective=effective, autotune=report, endpoint=endpoint_url(owner, spec),
                           selector=selector_string(owner), kv_cache_usage_percent=kv,
-                          simulated=simulated_summary(spec), extra_conditions=autotune_conditions,
+                          simulated=simulated_summary(spec), model=model,
+                          extra_conditions=with_model_condition(prev.conditions, autotune_conditions,
+                                                                model_condition),
                           ready_note=ready_note)
     if decided.dump() != prev.dump():
         # Unchanged (most resync passes between autotune intervals): no write, so no request
@@ -196,13 +228,24 @@ def reconcile(kube: Kube, body, hook: AutotuneHook | None = None) -> Result:
         announce()
     if new_decision(prev, decided):
         faults.exit_if_armed(faults.STATUS_WRITTEN)
-    deployment = apply_owned(kube, owner, spec, decided.effective, before)
+    deployment = apply_owned(kube, owner, spec, decided.effective, before, decided.model)
     # The rollout as the Deployment now reports it; a second write only when that moved.
     status = status_from(decided, Rollout.from_deployment(deployment, decided.effective.replicas), problems,
                          generation, ready_note=ready_note)
     if status.dump() != decided.dump():
         write_status(kube, owner, status)
     return Result(status, problems)
+
+
+def with_model_condition(prev: list[Condition], autotune: list[Condition] | None,
+                         model: Condition | None) -> list[Condition] | None:
+    """The conditions beyond the core ones: the autotuner's (None: as they were) and ModelReady
+    (absent for a model that is not downloaded)."""
+    if autotune is None:
+        if model is None and not any(c.type == MODEL_READY for c in prev):
+            return None  # nothing changes: keep them all
+        autotune = [c for c in prev if c.type not in CORE_CONDITIONS and c.type != MODEL_READY]
+    return [c for c in autotune if c.type != MODEL_READY] + ([model] if model is not None else [])
 
 
 def new_decision(prev: LLMDeploymentStatus, status: LLMDeploymentStatus) -> bool:
@@ -214,11 +257,18 @@ def new_decision(prev: LLMDeploymentStatus, status: LLMDeploymentStatus) -> bool
 
 
 def apply_owned(kube: Kube, owner: Owner, spec: LLMDeploymentSpec, effective: Effective,
-                before: dict | None) -> dict:
-    """The owned objects for the settings in `effective` (read from status); the Deployment
-    as the API server returned it (`before`: as this pass read it, None if absent)."""
+                before: dict | None, model: ModelStatus | None = None) -> dict | None:
+    """The owned objects for the settings in `effective` and the model revision in `model`
+    (both read from status); the Deployment as the API server returned it (`before`: as
+    this pass read it, None if absent). An hf:// source not yet resolved to a commit leaves
+    the Deployment as it is (absent, or still running the previous source)."""
     kube.apply(build_configmap(owner, effective))
-    deployment = kube.apply(build_deployment(owner, spec, effective.replicas), live=before, live_read=True)
+    if unresolved(model):
+        deployment = before
+    else:
+        deployment = kube.apply(build_deployment(owner, spec, effective.replicas,
+                                                 model.revision if model is not None else None),
+                                live=before, live_read=True)
     kube.apply(build_service(owner, spec))
     pdb = build_pdb(owner, effective.replicas)
     if pdb is not None:

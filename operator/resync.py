@@ -101,6 +101,7 @@ class ResyncPool:
         ones this pass submitted are done."""
         loop = asyncio.get_running_loop()
         start = time.monotonic()
+        metrics.RESYNC_PASSES_STARTED.inc()
         outcome = PassOutcome()
         futures: list[tuple[Key, asyncio.Future]] = []
         for body in bodies:

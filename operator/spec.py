@@ -6,7 +6,7 @@ CEL expressions attached with `json_schema_extra`; the API server evaluates
 them, and `validate_spec` repeats them for objects read back from it."""
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -22,9 +22,17 @@ DEFAULT_IMAGE = f"kvpilot/engine:{PROJECT_VERSION}"
 
 QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 DURATION_PATTERN = r"^([0-9]+(ms|s|m|h))+$"
-MODEL_SOURCE_PATTERN = r"^(builtin:[a-z0-9-]+|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|file:///.+|/.+)$"
+MODEL_SOURCE_PATTERN = (r"^(builtin:[a-z0-9-]+|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|file:///.+|/.+"
+                        r"|hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?"
+                        r"|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?)$")
+URL_PATTERN = r"^https?://[^\s]+$"
+FILE_GLOB_PATTERN = r"^[^\s]{1,255}$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 CONFIGMAP_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+# A draft model: builtin:NAME, or a path inside the image or the model volume (/models for pvc://).
+DRAFT_MODEL_PATTERN = r"^(builtin:[a-z0-9-]+|file:///.+|/.+)$"
+MAX_SPECULATIVE_TOKENS = 16  # the engine's limit (engine/speculative_config.py)
+PROMPT_LOOKUP_DEFAULTS = (1, 4)  # the engine's (min, max) when the spec leaves them out
 # A positive number (no zero: the engine rejects it), then the distributions `kvpilot serve
 # --simulate-output-len` takes; uniform's LO <= HI is checked in validate_spec.
 _POSITIVE = r"([0-9]*[1-9][0-9]*(\.[0-9]+)?|[0-9]*\.[0-9]*[1-9][0-9]*)"
@@ -54,20 +62,78 @@ class Model(BaseModel):
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
 
 
-class ModelSource(Model):
-    source: Optional[str] = Field(
-        default=None, pattern=MODEL_SOURCE_PATTERN, max_length=1024,
-        description="builtin:tiny, pvc://CLAIM/PATH (mounted read-only at /models), "
-                    "file:///PATH or /PATH (a path inside the image). Required unless "
-                    "engine.simulate is set.")
-    served_name: Optional[str] = Field(
-        default=None, max_length=253,
-        description="The model name clients send; defaults to the LLMDeployment's name.")
-
-
 class SecretKeyRef(Model):
     name: str = Field(pattern=DNS_LABEL_PATTERN, max_length=253)
     key: str = Field(min_length=1, max_length=253)
+
+
+class HubTokenRef(Model):
+    name: str = Field(pattern=DNS_LABEL_PATTERN, max_length=253)
+    key: str = Field(default="HF_TOKEN", min_length=1, max_length=253)
+
+
+class SecretRef(Model):
+    name: str = Field(pattern=DNS_LABEL_PATTERN, max_length=253)
+
+
+class HubOptions(Model):
+    """For hf:// sources: the Hugging Face Hub, or a mirror of it (HF_ENDPOINT)."""
+    endpoint: Optional[str] = Field(
+        default=None, pattern=URL_PATTERN, max_length=512,
+        description="A Hub mirror's URL (as HF_ENDPOINT), e.g. https://hf-mirror.internal; "
+                    "default https://huggingface.co.")
+    token_secret_ref: Optional[HubTokenRef] = Field(
+        default=None, description="Secret key holding a Hub token (HF_TOKEN), for private or gated "
+                                  "repositories; key defaults to HF_TOKEN.")
+
+
+class S3Options(Model):
+    """For s3:// sources: AWS S3 or an S3-compatible store (MinIO, Ceph RGW, R2, SeaweedFS)."""
+    endpoint: Optional[str] = Field(
+        default=None, pattern=URL_PATTERN, max_length=512,
+        description="The store's URL (AWS_ENDPOINT_URL), e.g. http://minio.storage:9000; default AWS.")
+    region: Optional[str] = Field(default=None, pattern=r"^[a-z0-9-]{1,64}$",
+                                  description="AWS_REGION; default us-east-1.")
+    path_style: bool = Field(default=False, description="Path-style addressing (MinIO and most "
+                                                        "self-hosted stores need it).")
+    credentials_secret_ref: Optional[SecretRef] = Field(
+        default=None, description="Secret with keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                                  "(and optionally AWS_SESSION_TOKEN).")
+
+
+class ModelCache(Model):
+    claim_name: Optional[str] = Field(
+        default=None, pattern=DNS_LABEL_PATTERN, max_length=253,
+        description="A PersistentVolumeClaim that holds downloaded models, shared by replicas and "
+                    "restarts (ReadWriteMany for pods on several nodes); default: an emptyDir per pod.")
+
+
+class ModelSource(Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        rule("!has(self.hf) || (has(self.source) && self.source.startsWith('hf://'))",
+             "model.hf applies to hf:// sources only", ".hf"),
+        rule("!has(self.s3) || (has(self.source) && self.source.startsWith('s3://'))",
+             "model.s3 applies to s3:// sources only", ".s3"),
+        rule("(!has(self.cache) && size(self.files) == 0) || (has(self.source) && "
+             "(self.source.startsWith('hf://') || self.source.startsWith('s3://')))",
+             "model.cache and model.files apply to hf:// and s3:// sources only", ".cache"),
+    ]})
+    source: Optional[str] = Field(
+        default=None, pattern=MODEL_SOURCE_PATTERN, max_length=1024,
+        description="builtin:tiny, hf://ORG/NAME[@REVISION] (the Hugging Face Hub or a mirror; "
+                    "the revision is pinned to a commit in status.model), s3://BUCKET/PREFIX, "
+                    "pvc://CLAIM/PATH (mounted read-only at /models), file:///PATH or /PATH (a "
+                    "path inside the image). Required unless engine.simulate is set.")
+    served_name: Optional[str] = Field(
+        default=None, max_length=253,
+        description="The model name clients send; defaults to the LLMDeployment's name.")
+    hf: Optional[HubOptions] = None
+    s3: Optional[S3Options] = None
+    cache: Optional[ModelCache] = None
+    files: list[Annotated[str, Field(pattern=FILE_GLOB_PATTERN, max_length=255)]] = Field(
+        default_factory=list, max_length=32,
+        description="More files to download from hf:// or s3:// (globs such as 'original/*' or "
+                    "'*.bin'); by default only config, tokenizer and *.safetensors files.")
 
 
 class ConfigMapKeyRef(Model):
@@ -105,6 +171,56 @@ class SimulateSpec(Model):
                     "model: about a minute); default 0.")
 
 
+SPECULATIVE_NEEDS_METHOD = "engine.speculative needs method ngram, or model (a draft model)"
+DRAFT_NEEDS_MODEL = "engine.speculative.model is required for method draft_model"
+NGRAM_TAKES_NO_MODEL = "engine.speculative.model is for a draft model; method ngram takes none"
+LOOKUP_IS_NGRAM = "engine.speculative.promptLookupMax and promptLookupMin apply to method ngram only"
+LOOKUP_ORDER = "engine.speculative.promptLookupMin must be <= engine.speculative.promptLookupMax"
+
+
+class SpeculativeSpec(Model):
+    """Speculative decoding, rendered as the engine's --speculative-config (vLLM's JSON, snake_case).
+    numSpeculativeTokens is the most the engine drafts (it sizes for it); the value in effect is
+    live (the tuning ConfigMap), and the autotuner moves it within autotune.numSpeculativeTokens."""
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        rule("has(self.method) || has(self.model)", SPECULATIVE_NEEDS_METHOD),
+        rule("!has(self.method) || self.method != 'draft_model' || has(self.model)", DRAFT_NEEDS_MODEL, ".model"),
+        rule("!has(self.method) || self.method != 'ngram' || !has(self.model)", NGRAM_TAKES_NO_MODEL, ".model"),
+        rule("(!has(self.promptLookupMax) && !has(self.promptLookupMin)) || "
+             "(has(self.method) && self.method == 'ngram')", LOOKUP_IS_NGRAM, ".promptLookupMax"),
+        rule(f"(has(self.promptLookupMin) ? self.promptLookupMin : {PROMPT_LOOKUP_DEFAULTS[0]}) <= "
+             f"(has(self.promptLookupMax) ? self.promptLookupMax : {PROMPT_LOOKUP_DEFAULTS[1]})",
+             LOOKUP_ORDER, ".promptLookupMin"),
+    ]})
+    method: Optional[Literal["ngram", "draft_model"]] = Field(
+        default=None, description="ngram (prompt lookup: drafts copied from earlier text, no second "
+                                  "model) or draft_model; a model without a method is a draft model.")
+    model: Optional[str] = Field(
+        default=None, pattern=DRAFT_MODEL_PATTERN, max_length=1024,
+        description="The draft model: builtin:NAME, or a path inside the image or the model volume "
+                    "(/models/... with a pvc:// source).")
+    num_speculative_tokens: int = Field(
+        ge=1, le=MAX_SPECULATIVE_TOKENS,
+        description="K, the tokens drafted per step (the most; the value in effect is live-tunable).")
+    prompt_lookup_max: Optional[int] = Field(default=None, ge=1, le=1024,
+                                             description="ngram: the longest n-gram matched (engine default 4).")
+    prompt_lookup_min: Optional[int] = Field(default=None, ge=1, le=1024,
+                                             description="ngram: the shortest n-gram matched (engine default 1).")
+
+    def engine_config(self) -> dict:
+        """The engine's --speculative-config object (vLLM's snake_case keys; a model path as
+        the engine sees it)."""
+        out: dict = {"num_speculative_tokens": self.num_speculative_tokens}
+        if self.method is not None:
+            out["method"] = self.method
+        if self.model is not None:
+            out["model"] = self.model[len("file://"):] if self.model.startswith("file://") else self.model
+        for key in ("prompt_lookup_max", "prompt_lookup_min"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
 class EngineSpec(Model):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         rule("!(has(self.kvCacheMemory) && has(self.gpuMemoryUtilization))",
@@ -130,6 +246,9 @@ class EngineSpec(Model):
     simulate: Optional[SimulateSpec] = Field(
         default=None, description="Run on a simulated accelerator instead of a GPU (pods still "
                                   "request resources.gpus, so they schedule like GPU pods).")
+    speculative: Optional[SpeculativeSpec] = Field(
+        default=None, description="Speculative decoding: {method: ngram, numSpeculativeTokens: 4} or "
+                                  "{model: builtin:NAME or a path, numSpeculativeTokens: 3}.")
 
 
 class Resources(Model):
@@ -153,6 +272,17 @@ class IntRange(Model):
     ]})
     min: int = Field(ge=1, le=1048576)
     max: int = Field(ge=1, le=1048576)
+
+
+class SpecTokensRange(Model):
+    """Bounds of the live num_speculative_tokens; 0 is speculation off."""
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        rule("!has(self.max) || self.min <= self.max",
+             "autotune.numSpeculativeTokens.min must be <= autotune.numSpeculativeTokens.max", ".min"),
+    ]})
+    min: int = Field(default=0, ge=0, le=MAX_SPECULATIVE_TOKENS, description="0 lets the autotuner turn it off.")
+    max: Optional[int] = Field(default=None, ge=0, le=MAX_SPECULATIVE_TOKENS,
+                               description="Default and upper limit: engine.speculative.numSpeculativeTokens.")
 
 
 class PrometheusSpec(Model):
@@ -179,6 +309,9 @@ class AutotuneSpec(Model):
     prometheus: PrometheusSpec = Field(default_factory=PrometheusSpec)
     max_num_seqs: IntRange = Field(default_factory=lambda: IntRange(min=1, max=1024))
     max_model_len: IntRange = Field(default_factory=lambda: IntRange(min=128, max=32768))
+    num_speculative_tokens: Optional[SpecTokensRange] = Field(
+        default=None, description="Bounds of num_speculative_tokens (with engine.speculative; default "
+                                  "[0, engine.speculative.numSpeculativeTokens]).")
     objectives: Objectives = Field(default_factory=Objectives)
     shared_prefix: bool = Field(
         default=False,
@@ -211,6 +344,11 @@ class ServiceSpec(Model):
     port: int = Field(default=8000, ge=1, le=65535)
 
 
+SPEC_BOUNDS_NEED_SPECULATIVE = "autotune.numSpeculativeTokens needs engine.speculative"
+SPEC_BOUNDS_WITHIN_K = ("autotune.numSpeculativeTokens [min, max] may not exceed "
+                        "engine.speculative.numSpeculativeTokens")
+
+
 class LLMDeploymentSpec(Model):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         rule("self.autotune.mode == 'Off' || (self.engine.maxNumSeqs >= self.autotune.maxNumSeqs.min"
@@ -225,6 +363,13 @@ class LLMDeploymentSpec(Model):
              "engine.gpuMemoryUtilization needs resources.gpus > 0", ".engine.gpuMemoryUtilization"),
         rule("has(self.model.source) || has(self.engine.simulate)",
              "model.source is required unless engine.simulate is set", ".model.source"),
+        rule("!has(self.autotune.numSpeculativeTokens) || has(self.engine.speculative)",
+             SPEC_BOUNDS_NEED_SPECULATIVE, ".autotune.numSpeculativeTokens"),
+        rule("!has(self.autotune.numSpeculativeTokens) || !has(self.engine.speculative) || "
+             "(self.autotune.numSpeculativeTokens.min <= self.engine.speculative.numSpeculativeTokens && "
+             "(!has(self.autotune.numSpeculativeTokens.max) || "
+             "self.autotune.numSpeculativeTokens.max <= self.engine.speculative.numSpeculativeTokens))",
+             SPEC_BOUNDS_WITHIN_K, ".autotune.numSpeculativeTokens"),
     ]})
     model: ModelSource
     engine: EngineSpec = Field(default_factory=EngineSpec)
@@ -261,8 +406,68 @@ def validate_spec(spec: LLMDeploymentSpec) -> None:
         raise InvalidSpec("engine.gpuMemoryUtilization needs resources.gpus > 0")
     if spec.model.source is None and e.simulate is None:
         raise InvalidSpec("model.source is required unless engine.simulate is set")
+    validate_model(spec.model)
     if e.simulate is not None:
         validate_simulate(e.simulate)
+    if e.speculative is not None:
+        validate_speculative(e.speculative)
+    validate_spec_bounds(spec)
+
+
+def validate_speculative(sp: SpeculativeSpec) -> None:
+    if sp.method is None and sp.model is None:
+        raise InvalidSpec(SPECULATIVE_NEEDS_METHOD)
+    if sp.method == "draft_model" and sp.model is None:
+        raise InvalidSpec(DRAFT_NEEDS_MODEL)
+    if sp.method == "ngram" and sp.model is not None:
+        raise InvalidSpec(NGRAM_TAKES_NO_MODEL)
+    if (sp.prompt_lookup_max is not None or sp.prompt_lookup_min is not None) and sp.method != "ngram":
+        raise InvalidSpec(LOOKUP_IS_NGRAM)
+    lo = sp.prompt_lookup_min if sp.prompt_lookup_min is not None else PROMPT_LOOKUP_DEFAULTS[0]
+    hi = sp.prompt_lookup_max if sp.prompt_lookup_max is not None else PROMPT_LOOKUP_DEFAULTS[1]
+    if lo > hi:
+        raise InvalidSpec(f"{LOOKUP_ORDER}, got {lo} > {hi}")
+
+
+def validate_spec_bounds(spec: LLMDeploymentSpec) -> None:
+    r, sp = spec.autotune.num_speculative_tokens, spec.engine.speculative
+    if r is None:
+        return
+    if sp is None:
+        raise InvalidSpec(SPEC_BOUNDS_NEED_SPECULATIVE)
+    if r.max is not None and r.min > r.max:
+        raise InvalidSpec("autotune.numSpeculativeTokens.min must be <= autotune.numSpeculativeTokens.max")
+    k = sp.num_speculative_tokens
+    if r.min > k or (r.max is not None and r.max > k):
+        raise InvalidSpec(f"{SPEC_BOUNDS_WITHIN_K} ({k})")
+
+
+def spec_tokens_bounds(spec: LLMDeploymentSpec) -> tuple[int, int] | None:
+    """(min, max) the autotuner may move num_speculative_tokens within; None without speculation."""
+    sp = spec.engine.speculative
+    if sp is None:
+        return None
+    r = spec.autotune.num_speculative_tokens
+    lo = r.min if r is not None else 0
+    hi = r.max if r is not None and r.max is not None else sp.num_speculative_tokens
+    return lo, hi
+
+
+def validate_model(m: ModelSource) -> None:
+    src = m.source or ""
+    remote = src.startswith(("hf://", "s3://"))
+    if m.hf is not None and not src.startswith("hf://"):
+        raise InvalidSpec("model.hf applies to hf:// sources only")
+    if m.s3 is not None and not src.startswith("s3://"):
+        raise InvalidSpec("model.s3 applies to s3:// sources only")
+    if (m.cache is not None or m.files) and not remote:
+        raise InvalidSpec("model.cache and model.files apply to hf:// and s3:// sources only")
+    if remote:
+        from kvpilot.engine.model_uri import parse_source
+        try:
+            parse_source(src)
+        except ValueError as e:
+            raise InvalidSpec(f"model.source: {e}") from None
 
 
 def validate_simulate(sim: SimulateSpec) -> None:

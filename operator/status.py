@@ -31,6 +31,9 @@ class Effective(Model):
     max_num_seqs: Optional[int] = None
     max_model_len: Optional[int] = None
     replicas: Optional[int] = None
+    num_speculative_tokens: Optional[int] = Field(
+        default=None, description="Draft tokens per step in effect (0: speculation off); absent "
+                                  "without engine.speculative.")
 
 
 class Decision(Model):
@@ -113,6 +116,25 @@ class AutotuneStatus(Model):
     model: Optional[ModelMemory] = None
 
 
+class ModelStatus(Model):
+    """A downloaded model (spec.model.source hf:// or s3://): the pinned revision and the
+    download as the pods' init containers report it."""
+    source: Optional[str] = Field(default=None, max_length=1024)
+    revision: Optional[str] = Field(default=None, max_length=255,
+                                    description="hf://: the commit the revision resolved to (pinned).")
+    phase: Optional[str] = Field(default=None, description="Resolving | Pending | Downloading | Ready | Failed")
+    progress: Optional[str] = Field(default=None, max_length=64,
+                                    description="What `kubectl get llmd` shows, e.g. 'Downloading 37%'.")
+    bytes_done: Optional[int] = Field(default=None, ge=0)
+    bytes_total: Optional[int] = Field(default=None, ge=0)
+    bytes_per_second: Optional[int] = Field(default=None, ge=0)
+    files: Optional[int] = Field(default=None, ge=0)
+    reason: Optional[str] = Field(default=None, max_length=128, description="Why it failed, e.g. ModelUnauthorized.")
+    message: Optional[str] = Field(default=None, max_length=2048)
+    checked_at: Optional[str] = Field(default=None, json_schema_extra={"format": "date-time"},
+                                      description="When the operator last asked the source.")
+
+
 class LLMDeploymentStatus(Model):
     observed_generation: Optional[int] = None
     conditions: list[Condition] = Field(default_factory=list)
@@ -128,6 +150,7 @@ class LLMDeploymentStatus(Model):
         description="ACCELERATOR/MODEL (or ACCELERATOR/configmap:NAME) when the pods run on a "
                     "simulated accelerator (spec.engine.simulate); absent otherwise.")
     autotune: Optional[AutotuneStatus] = None
+    model: Optional[ModelStatus] = None
 
     def condition(self, type_: str) -> Optional[Condition]:
         return next((c for c in self.conditions if c.type == type_), None)

@@ -118,3 +118,19 @@ def test_decode_kernel_equals_the_reference(decode_kernel, heads, kv_heads, head
     ref = paged_attention_torch(query, k_cache, v_cache, tables, seq_lens,
                                 list(range(len(seq_lens) + 1)), head_dim**-0.5)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_the_gather_workspace_stays_bounded_when_cache_layouts_alternate():
+    """A target and a draft model with different KV layouts sharing one workspace: each
+    switch allocates what the step needs, never double the last (which, switching every
+    step, grew to terabytes within a few dozen steps)."""
+    from kvpilot.engine.cpu_attention import TorchPagedAttention
+
+    attn = TorchPagedAttention()
+    caches = [torch.randn(64, 16, 2, 8), torch.randn(64, 16, 1, 8)]  # [blocks, block_size, kv_heads, head_dim]
+    blocks = torch.arange(6)
+    for step in range(100):
+        cache = caches[step % 2]
+        k, v = attn._gather(cache, cache, blocks)
+        assert torch.equal(k, cache[:6])
+        assert attn._k_work.shape[0] <= 12, attn._k_work.shape

@@ -53,8 +53,10 @@ def test_names_subresources_and_columns():
                                           "labelSelectorPath": ".status.selector"}
     assert v["subresources"]["status"] == {}
     assert [c["name"] for c in v["additionalPrinterColumns"]] == [
-        "Ready", "Replicas", "MaxNumSeqs", "MaxModelLen", "KV%", "Mode", "Simulated", "Age"]
-    assert v["additionalPrinterColumns"][-2]["jsonPath"] == ".status.simulated"
+        "Ready", "Replicas", "MaxNumSeqs", "MaxModelLen", "KV%", "Mode", "Simulated", "Model", "Age"]
+    columns = {c["name"]: c["jsonPath"] for c in v["additionalPrinterColumns"]}
+    assert columns["Simulated"] == ".status.simulated"
+    assert columns["Model"] == ".status.model.progress"  # "Downloading 37%", "Ready", "Failed"
 
 
 def test_schema_is_structural():

@@ -15,7 +15,7 @@ from prometheus_api_client import PrometheusConnect
 from kvpilot.engine.metric_buckets import FLEX_TIER, TIER_TPOT_METRIC
 from kvpilot.operator.autotune.fleet_reader import FleetReader, FleetReaders
 from kvpilot.operator.autotune.prometheus import (MetricsUnavailable, PrometheusReader, build_freshness_queries,
-                                                 build_queries)
+                                                 build_queries, build_settings_queries)
 from kvpilot.operator.autotune.promql_lite import TSDB
 
 NOW = 1_800_000_000.0  # the fake Prometheus's clock
@@ -138,8 +138,9 @@ def test_the_fleet_reader_gives_each_deployment_the_per_deployment_snapshot(prom
 
 
 def test_one_set_of_queries_for_the_whole_fleet(prom):
-    per_deployment = len(build_queries(FleetReader(None).target, WINDOW)) + \
-        len(build_freshness_queries(FleetReader(None).target)) + 2
+    target = FleetReader(None).target
+    per_deployment = len(build_queries(target, WINDOW)) + len(build_freshness_queries(target)) + \
+        len(build_settings_queries(target))
     prom.queries.clear()
     single = PrometheusReader(prom.client())
     for ns, name in DEPLOYMENTS:

@@ -82,7 +82,8 @@ def test_every_kernel_compiles_for_hopper_without_spills_on_llama_shapes():
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = json.loads(proc.stdout)
     assert {r["kernel"] for r in rows} == {
-        "_paged_decode_kernel", "_merge_splits_kernel", "_paged_prefill_kernel", "_write_kv_cache_kernel"
+        "_paged_decode_kernel", "_merge_splits_kernel", "_paged_prefill_kernel", "_write_kv_cache_kernel",
+        "_quant_matmul_kernel",
     }
     for r in rows:
         assert r["ok"] and r["has_cubin"], r
@@ -135,3 +136,79 @@ def test_gpu_check_graphs_part_runs_on_a_tiny_cpu_model():
             row = result[mode][f"batch_{b}"]
             assert row["decode_tok_per_s"] > 0 and 0 < row["frac_of_roofline"]
     assert any("b=3" in line for line in format_graphs(result))
+
+
+def test_gpu_check_speculative_part_runs_on_a_tiny_cpu_model():
+    """The speculative-decoding part end to end on tiny models on the CPU, so its first GPU
+    run is not its first run: every method runs, and speculation keeps the greedy tokens."""
+    import time
+
+    from kvpilot.kernels.gpu_check_spec import format_speculative, run_speculative
+
+    tiny = {"hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab": 512}
+    result = run_speculative(
+        time.monotonic() + 300, layers=2, draft_layers=1, target_shape=tiny, draft_shape=dict(tiny, hidden=32),
+        k=3, dtype="float32", device="cpu", prompt_len=32, decode_tokens=12,
+        llm_kwargs={"attention_backend": "torch", "kv_cache_memory": "16Mi"})
+    assert "error" not in result, result.get("traceback")
+    for name in ("none", "ngram", "draft"):
+        assert result[name]["decode_tok_per_s"] > 0
+    for name in ("ngram", "draft"):
+        assert result[name]["same_tokens"] and result[name]["draft_tokens"] > 0
+    lines = format_speculative(result)
+    assert any(line.strip().startswith("draft") and "x" in line for line in lines)
+
+
+def test_gpu_check_quant_part_runs_on_the_cpu_interpreter():
+    """The quant GEMM part's plumbing (weights, correctness first, timing, rows, table) on
+    tiny shapes under the interpreter with a plain timer, so its first GPU run is not its
+    first run."""
+    import time
+
+    from kvpilot.kernels.gpu_check_quant import format_quant_gemm, run_quant_gemm
+
+    def timer_ms(fn):
+        start = time.perf_counter()
+        fn()
+        return max((time.perf_counter() - start) * 1e3, 1e-6)
+
+    result = run_quant_gemm(time.monotonic() + 300, device="cpu", layers=(("tiny 512->40", 512, 40),),
+                            schemes=(("int4 g32", 4, 32), ("int8 per-channel", 8, None)), batches=(1, 3),
+                            copy_gb_per_s=100.0, bench_ms=timer_ms)
+    assert "error" not in result, result.get("traceback")
+    assert result["all_correct"] is True and len(result["rows"]) == 4
+    for row in result["rows"]:
+        assert row["ok"] and row["rel_err"] <= result["rtol"]
+        assert row["ms"] > 0 and row["cublas_ms"] > 0 and row["tflops"] > 0 and row["gb_per_s"] > 0
+        assert row["speedup_vs_cublas"] == row["cublas_ms"] / row["ms"] and "frac_of_copy" in row
+        # One "SM" on the CPU: no split chosen; 2 and 4 slices of the 4 K tiles timed beside it.
+        assert row["split_k"] == 1 and set(row["ms_by_split_k"]) == {2, 4}
+    assert {r["group_size"] for r in result["rows"]} == {32, 512}  # per-channel: group_size = K
+    lines = format_quant_gemm(result)
+    assert "4/4 points within" in lines[0] and sum("int8 per-channel" in line for line in lines) == 2
+    assert sum("other split_k (us): 2:" in line for line in lines) == 4
+
+    late = run_quant_gemm(time.monotonic() - 1, device="cpu", layers=(("tiny", 64, 40),), batches=(1, 3))
+    assert [r["skipped"] for r in late["rows"]] == ["out of time budget"] * 4  # 2 schemes x 2 batches
+    assert late["all_correct"] is True
+
+
+def test_gpu_check_quant_rows_render_in_the_table():
+    from kvpilot.kernels.gpu_check import format_table
+
+    row = {"scheme": "int4 g128", "layer": "mlp_up 4096->14336", "m": 1, "ok": True, "rel_err": 1e-4,
+           "ms": 0.012, "tflops": 9.8, "gb_per_s": 2500.0, "cublas_ms": 0.036, "speedup_vs_cublas": 3.0}
+    quant = {"dtype": "float16", "rtol": 1e-3, "all_correct": False, "rows": [
+        row,
+        {**row, "m": 16, "ok": False, "rel_err": 0.5, "ms": None},
+        {"scheme": "int8 per-channel", "layer": "attn_o 4096->4096", "m": 256, "skipped": "out of time budget"},
+    ]}
+    del quant["rows"][1]["ms"]
+    results = {"device": "NVIDIA H200", "mode": "gpu", "elapsed_s": 10.0, "out": "/tmp/r.json", "correctness": [],
+               "quant_gemm": quant}
+    table = format_table(results)
+    for text in ("quant GEMM (float16", "1/2 points within rel err 1e-03", "12.0", "2500", "3.00x",
+                 "FAILED rel err 5.0e-01", "out of time budget"):
+        assert text in table, text
+    assert "quant GEMM: skipped (out of time budget)" in format_table({**results, "quant_gemm": {
+        "skipped": "out of time budget"}})

@@ -1,5 +1,6 @@
 """Property tests of the KV cache manager and scheduler: no leaks, no double frees,
-no negative reference counts, and prefix hits only ever return matching tokens; and the
+no negative reference counts, and prefix hits only ever return matching tokens, with and
+without speculative steps (drafts fed, some rejected and rolled back); and the
 executor's incremental block tables and tensor-built slot mapping equal a from-scratch
 computation on every step."""
 
@@ -12,6 +13,7 @@ from kvpilot.engine.kv_cache_manager import KVCacheManager
 from kvpilot.engine.request import Request, RequestStatus
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler, SchedulerLimits
+from kvpilot.engine.speculator import eligible
 from kvpilot.engine.step_inputs import BlockTables, StepInputs
 
 BLOCK = 4
@@ -25,7 +27,8 @@ class Harness:
     """Drives the scheduler as the engine does, with a fake model that emits tokens
     derived from the sequence so far, and records what every block should contain."""
 
-    def __init__(self, num_blocks: int, max_num_seqs: int, budget: int, prefix: bool) -> None:
+    def __init__(self, num_blocks: int, max_num_seqs: int, budget: int, prefix: bool, spec_k: int = 0) -> None:
+        self.spec_k = spec_k  # speculation: up to spec_k drafts per decode, some rejected
         self.kv = KVCacheManager(num_blocks, BLOCK, prefix)
         self.sched = Scheduler(SchedulerLimits(max_num_seqs, budget, num_blocks * BLOCK), self.kv)
         self.contents: dict[int, list[int | None]] = {}  # block id -> tokens written
@@ -52,15 +55,23 @@ class Harness:
             for pos in range(start):
                 written = self.contents.get(table[pos // BLOCK], [None] * BLOCK)[pos % BLOCK]
                 assert written == req.all_token_ids[pos], "prefix hit returned different tokens"
-            for pos in range(start, start + item.num_new_tokens):
-                self.contents.setdefault(table[pos // BLOCK], [None] * BLOCK)[pos % BLOCK] = (
-                    req.all_token_ids[pos]
-                )
+            drafts = item.spec_token_ids
+            fed = req.token_at(start, start + item.num_new_tokens - len(drafts)) + drafts
+            for pos, token in enumerate(fed, start):
+                self.contents.setdefault(table[pos // BLOCK], [None] * BLOCK)[pos % BLOCK] = token
             if item.samples:
                 sampled.append(req)
-                tokens.append(1 + sum(req.all_token_ids) % 7)  # never the stop id 0
+                # The fake target accepts a prefix of the drafts, then emits its own token.
+                accepted = sum(req.all_token_ids) % (len(drafts) + 1)
+                tokens.append(drafts[:accepted] + [1 + sum(req.all_token_ids) % 7])  # never stop id 0
         self.sched.update(out, sampled, tokens)
         self.check()
+        for req in self.sched.running:
+            # Rollback: no request holds a block past its tokens (the rejected drafts' slots).
+            assert len(req.block_ids) <= -(-req.num_tokens // BLOCK), "a rejected draft's block leaked"
+            if self.spec_k and eligible(req):
+                room = min(self.spec_k, req.max_tokens - len(req.output_token_ids) - 1)
+                req.spec_token_ids = [1 + (len(req.all_token_ids) + j) % 5 for j in range(max(room, 0))]
 
     def check_step_inputs(self, out, step: StepInputs) -> None:
         """The step's inputs as the old per-token loop computed them from `block_ids`;
@@ -73,7 +84,7 @@ class Harness:
         for i, item in enumerate(out.scheduled):
             req, start = item.request, item.request.num_computed_tokens
             end = start + item.num_new_tokens
-            ids += req.token_at(start, end)
+            ids += req.token_at(start, end - len(item.spec_token_ids)) + item.spec_token_ids
             positions += range(start, end)
             slots += [req.block_ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]
             needed = -(-end // BLOCK)
@@ -130,9 +141,10 @@ actions = st.lists(
     max_num_seqs=st.integers(1, 6),
     budget=st.integers(1, 24),
     prefix=st.booleans(),
+    spec_k=st.sampled_from([0, 0, 1, 3]),
 )
-def test_no_leak_no_double_free_prefix_hits_match(actions, num_blocks, max_num_seqs, budget, prefix):
-    h = Harness(num_blocks, max_num_seqs, budget, prefix)
+def test_no_leak_no_double_free_prefix_hits_match(actions, num_blocks, max_num_seqs, budget, prefix, spec_k):
+    h = Harness(num_blocks, max_num_seqs, budget, prefix, spec_k)
     for action in actions:
         if action[0] == "add":
             _, cut, which, suffix, max_tokens = action

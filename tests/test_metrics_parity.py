@@ -159,3 +159,17 @@ def test_every_dashboard_series_for_kvpilots_features_is_exported():
                      and not (n.endswith("_") and any(f.startswith(n) for f in family)))
     assert not missing, f"series the stock dashboards read that kvpilot does not export: {missing}"
     assert len(wanted) >= 40  # the fixture really was read
+
+
+@pytest.mark.skipif(not DASHBOARDS.is_dir(), reason="the vLLM dashboards (shared/reference) are not here")
+def test_a_speculating_server_exports_every_spec_decode_series_the_dashboards_read():
+    from test_server_hardening import InProcessServer
+
+    wanted = {n for n in dashboard_metrics() if n.startswith("vllm:spec_decode_")}
+    with InProcessServer(model="builtin:tiny", kv_cache_memory="16Mi", max_model_len=512, max_num_seqs=4,
+                         speculative_config='{"method": "ngram", "num_speculative_tokens": 2}') as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi hi hi hi", "max_tokens": 8}, timeout=60)
+        assert r.status_code == 200, r.text
+        names = exported_names(httpx.get(srv.url + "/metrics", timeout=10).text)
+    family = {n for name in names for n in (name, *(name[:-len(s)] for s in SUFFIXES if name.endswith(s)))}
+    assert len(wanted) >= 4 and wanted <= family, sorted(wanted - family)

@@ -9,7 +9,16 @@ import time
 
 import pytest
 
+from kvpilot.operator import metrics
 from kvpilot.operator.resync import ResyncPool
+
+
+def passes_started() -> float:
+    return metrics.RESYNC_PASSES_STARTED._value.get()
+
+
+def passes_completed() -> float:
+    return next(s.value for m in metrics.RESYNC_PASSES.collect() for s in m.samples if s.name.endswith("_count"))
 
 
 def body(name: str, ns: str = "n", deleting: bool = False) -> dict:
@@ -114,12 +123,17 @@ def test_an_object_in_flight_is_skipped_not_queued_twice():
             await asyncio.sleep(0.01)
         second = await pool.run_pass([body("slow"), body("a"), body("b")])
         in_flight = pool.in_flight()
+        passes_in_flight = passes_started() - passes_completed()
         gate.set()
         await first
         pool.shutdown()
-        return second, in_flight
+        return second, in_flight, passes_in_flight
 
-    second, in_flight = asyncio.run(scenario())
+    started0, completed0 = passes_started(), passes_completed()
+    second, in_flight, passes_in_flight = asyncio.run(scenario())
+    # started minus completed is the passes in flight (the first, held by "slow")
+    assert passes_in_flight - (started0 - completed0) == 1
+    assert (passes_started() - started0, passes_completed() - completed0) == (2, 2)
     assert second.skipped == [("n", "slow")]
     assert sorted(second.submitted) == [("n", "a"), ("n", "b")]
     assert in_flight == {("n", "slow")}

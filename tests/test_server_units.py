@@ -24,6 +24,31 @@ def test_parse_tuning():
             parse_tuning(raw)
 
 
+def test_num_speculative_tokens_is_live_where_the_engine_speculates(tmp_path, caplog):
+    """0 is a setting (off); an engine started without speculation ignores the key (and
+    still applies the rest of the file)."""
+    caplog.set_level("INFO", logger="kvpilot.server.tuning")
+    assert parse_tuning(b'{"num_speculative_tokens": 0}') == {"num_speculative_tokens": 0}
+    for raw in (b'{"num_speculative_tokens": -1}', b'{"num_speculative_tokens": true}',
+                b'{"num_speculative_tokens": 1.5}'):
+        with pytest.raises(TuningError, match="num_speculative_tokens"):
+            parse_tuning(raw)
+    path = tmp_path / "tuning.json"
+    for current in ({"max_num_seqs": 8, "max_model_len": 64, "num_speculative_tokens": 3},
+                    {"max_num_seqs": 8, "max_model_len": 64}):
+        applied = {}
+
+        async def apply(**changes):
+            applied.update(changes)
+
+        path.write_text('{"max_num_seqs": 4, "num_speculative_tokens": 0}')
+        watcher = TuningWatcher(path, apply=apply, current=lambda: dict(current))
+        assert asyncio.run(watcher.check()) is True
+        speculating = "num_speculative_tokens" in current
+        assert applied == ({"max_num_seqs": 4, "num_speculative_tokens": 0} if speculating else {"max_num_seqs": 4})
+    assert any("not started with: num_speculative_tokens" in r.getMessage() for r in caplog.records)
+
+
 def test_watcher_follows_content_through_a_symlink_swap(tmp_path, caplog):
     """A ConfigMap update swaps a symlink; the new file may carry the old mtime."""
     limits = {"max_num_seqs": 8, "max_model_len": 2048}

@@ -150,7 +150,7 @@ def test_resolve_paths(tiny_model_dir, tmp_path):
         str(tmp_path / "file"): "not a directory",
         str(tmp_path): "has no config.json",
         "builtin:huge": "not a built-in model",
-        "hf://meta-llama/Llama-3.2-1B": "unsupported scheme",
+        "gs://models/llama": "unsupported scheme",
         "file://relative/path": "absolute path",
         "": "expected a Hugging Face model directory",
     }

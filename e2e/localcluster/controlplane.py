@@ -20,6 +20,8 @@ CONTROLLERS = [
     # Autoscalers (an HPA, or KEDA's ScaledObject through one) drive an LLMDeployment's scale
     # subresource; kvpilot must leave replicas to them.
     "horizontal-pod-autoscaler-controller",
+    # Binds PersistentVolumeClaims to PersistentVolumes (a model cache PVC on a hostPath PV).
+    "persistentvolume-binder-controller",
 ]
 
 

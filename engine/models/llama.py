@@ -176,11 +176,14 @@ class LlamaForCausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             qkv = {"q_proj": (0, attn.q_size), "k_proj": (attn.q_size, attn.kv_size),
                    "v_proj": (attn.q_size + attn.kv_size, attn.kv_size)}
-            for part in ("weight", "bias") if attn.qkv_proj.bias is not None else ("weight",):
-                shards[f"model.layers.{i}.self_attn.qkv_proj.{part}"] = (qkv, part)
+            # None: a quantized checkpoint's layer, loaded by quant_compressed_tensors_load.py.
+            if attn.qkv_proj is not None:
+                for part in ("weight", "bias") if attn.qkv_proj.bias is not None else ("weight",):
+                    shards[f"model.layers.{i}.self_attn.qkv_proj.{part}"] = (qkv, part)
             inter = mlp.intermediate_size
-            shards[f"model.layers.{i}.mlp.gate_up_proj.weight"] = (
-                {"gate_proj": (0, inter), "up_proj": (inter, inter)}, "weight")
+            if mlp.gate_up_proj is not None:
+                shards[f"model.layers.{i}.mlp.gate_up_proj.weight"] = (
+                    {"gate_proj": (0, inter), "up_proj": (inter, inter)}, "weight")
         return shards
 
     @staticmethod

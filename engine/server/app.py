@@ -86,7 +86,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, tuning_file: str | 
         if tuning_file:
             watcher = TuningWatcher(
                 tuning_file, apply=engine.update_limits,
-                current=lambda: {"max_num_seqs": engine.max_num_seqs, "max_model_len": engine.max_model_len},
+                current=engine.live_settings,
             )
             await watcher.check()  # values the operator already wrote apply before serving
             watcher_task = asyncio.create_task(watcher.run())

@@ -83,6 +83,13 @@ class AsyncEngine:
     def max_num_seqs(self) -> int:
         return self.engine.max_num_seqs
 
+    def live_settings(self) -> dict[str, int]:
+        """The live-tunable settings in effect (num_speculative_tokens only where configured)."""
+        values = {"max_num_seqs": self.engine.max_num_seqs, "max_model_len": self.engine.max_model_len}
+        if self.engine.num_speculative_tokens is not None:
+            values["num_speculative_tokens"] = self.engine.num_speculative_tokens
+        return values
+
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """The engine's own length check (ValueError naming both numbers), before queueing."""
         return self.engine.resolve_max_tokens(num_prompt_tokens, params)

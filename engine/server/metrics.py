@@ -13,6 +13,7 @@ from ..metric_buckets import (CACHE_HIT_SOURCES, ENGINE_INDEX, FINISH_REASONS,  
                               buckets_1_2_5)
 from ..outputs import EngineStats
 from .request_metrics import RequestHistograms
+from .spec_metrics import SpecDecodeMetrics
 
 
 class ServerMetrics:
@@ -116,6 +117,7 @@ class ServerMetrics:
                               registry=r)
         self.tier_tpot = {tier: tier_tpot.labels(model_name, tier) for tier in SERVICE_TIERS}
         self._last: EngineStats | None = None
+        self._spec: SpecDecodeMetrics | None = None  # made on the first stats of a speculating engine
         self._executor: dict[str, Counter] = {}  # simulated pods only
 
     def record_simulation(self, accelerator: str, model: str) -> None:
@@ -167,6 +169,10 @@ class ServerMetrics:
         computed_before = (last.prompt_tokens_total - last.prompt_tokens_cached_total) if last else 0
         if computed > computed_before:
             self.prompt_by_source["local_compute"].inc(computed - computed_before)
+        if stats.spec_decode is not None:
+            if self._spec is None:
+                self._spec = SpecDecodeMetrics(self.registry, self.model_name, len(stats.spec_decode.accepted_per_pos))
+            self._spec.record(stats.spec_decode, last.spec_decode if last else None, stats.num_speculative_tokens)
         for key, counter in self._executor.items():
             delta = stats.executor_counters.get(key, 0.0) - (last.executor_counters.get(key, 0.0) if last else 0.0)
             if delta > 0:

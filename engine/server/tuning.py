@@ -1,12 +1,13 @@
 """The live tuning file: a JSON object the operator writes (through a ConfigMap mount)
 holding limits the engine can change while serving.
 
-    {"max_num_seqs": 24, "max_model_len": 1024}
+    {"max_num_seqs": 24, "max_model_len": 1024, "num_speculative_tokens": 2}
 
 The server polls it; a Kubernetes ConfigMap update swaps a symlink, which can leave the
 mtime unchanged, so the content is what is compared. A changed file is validated and
 applied between engine steps, without dropping requests; an invalid one is logged and the
-values in effect stay. Unknown keys are logged and ignored (room for more settings)."""
+values in effect stay. Unknown keys are logged and ignored (room for more settings), as is
+num_speculative_tokens on an engine started without speculation (0 turns it off)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from ..validation import positive_int
 
 log = logging.getLogger("kvpilot.server.tuning")
 
-LIVE_SETTINGS = ("max_num_seqs", "max_model_len")
+LIVE_SETTINGS = ("max_num_seqs", "max_model_len", "num_speculative_tokens")
+ZERO_ALLOWED = ("num_speculative_tokens",)  # 0 is a setting (off), not a missing value
 POLL_INTERVAL_S = 0.5
 
 
@@ -41,7 +43,12 @@ def parse_tuning(raw: bytes) -> dict[str, int]:
         if value is None:
             continue
         try:
-            wanted[key] = positive_int(key, value)
+            if key in ZERO_ALLOWED:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"{key} must be an integer >= 0, got {value!r}")
+                wanted[key] = value
+            else:
+                wanted[key] = positive_int(key, value)
         except ValueError as exc:
             raise TuningError(str(exc)) from None
     unknown = sorted(set(data) - set(LIVE_SETTINGS))
@@ -86,7 +93,10 @@ class TuningWatcher:
         except TuningError as exc:
             log.warning("tuning file %s rejected (%s); keeping %s", self.path, exc, _fmt(current))
             return False
-        changes = {k: v for k, v in wanted.items() if current.get(k) != v}
+        unsupported = sorted(k for k in wanted if k not in current)
+        if unsupported:  # e.g. num_speculative_tokens where the engine does not speculate
+            log.info("tuning file: ignoring settings this engine was not started with: %s", ", ".join(unsupported))
+        changes = {k: v for k, v in wanted.items() if k in current and current.get(k) != v}
         if not changes:
             return False
         try:

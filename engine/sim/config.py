@@ -32,6 +32,14 @@ class SimulationConfig:
     load_seconds: float = field(default=0.0, metadata={
         "help": "seconds the simulated model takes to load before the server is ready (a real "
                 "8B model: about a minute of weights, compile and CUDA graphs); default 0"})
+    spec_acceptance: float = field(default=0.7, metadata={
+        "help": "with --speculative-config: the chance each draft token is the one the model "
+                "would produce (independent per position, fixed by the request's seed and the "
+                "position); both methods draft this way in the simulator, in (0, 1]"})
+    spec_draft_cost: float | None = field(default=None, metadata={
+        "help": "with --speculative-config: one draft-model pass's time as a fraction of a "
+                "target decode step over the same sequences, charged K times per step that "
+                "verifies drafts; in [0, 1] (default: 0 for ngram, 0.1 for draft_model)"})
     output_lengths: OutputLengths = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -47,4 +55,10 @@ class SimulationConfig:
         v = self.load_seconds
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 3600:
             raise ValueError(f"simulate_load_seconds must be a number in [0, 3600], got {v!r}")
+        v = self.spec_acceptance
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+            raise ValueError(f"simulate_spec_acceptance must be a number in (0, 1], got {v!r}")
+        v = self.spec_draft_cost
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
+            raise ValueError(f"simulate_spec_draft_cost must be a number in [0, 1], got {v!r}")
         self.output_lengths = OutputLengths.parse(self.output_len)

@@ -2,7 +2,15 @@
 path, with the model's forward pass replaced by the timing model. A step waits its
 modelled time on the engine's clock (real time in a server, virtual time in
 `kvpilot sim`) and returns deterministic tokens. No weights are loaded and the KV
-cache's bytes are never allocated: only the block bookkeeping is real."""
+cache's bytes are never allocated: only the block bookkeeping is real.
+
+Speculative decoding (speculative_config, either method): SimulatedSpeculator drafts
+from the simulator's own token stream, each draft right with probability
+simulate.spec_acceptance (speculation.py), and a step verifies them here: a decode that
+carries K' drafts is one sequence with a (1 + K')-token query, so it costs 1 + K' rows
+of GEMM compute and LM head but reads its KV once, and yields the accepted drafts plus
+one token; the tokens are those it would have produced one step at a time. A draft
+model's passes (simulate.spec_draft_cost) are added to the step that verifies them."""
 
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ from ..scheduler import SchedulerOutput
 from ..tokenizer import Tokenizer
 from .hardware import Accelerator, resolve_accelerator
 from .shapes import ModelShape, resolve_model_shape
+from .speculation import SimulatedDrafts, draft_cost, draft_time
 from .timing import BatchShape, MemoryPlan, plan_memory, step_time
 from .tokenizer import simulated_tokenizer
 from .tokens import TokenSource
@@ -48,6 +57,8 @@ class SimulatedExecutor:
         self.memory: MemoryPlan | None = None
         eos = min(tokenizer.eos_token_ids) if tokenizer.eos_token_ids else None
         self.tokens = TokenSource(*_token_range(tokenizer), eos, sim.output_lengths)
+        self.drafts = SimulatedDrafts(self.tokens, sim.spec_acceptance)  # SimulatedSpeculator's source
+        self.draft_cost = draft_cost(sim, config.speculative_config)
         self.busy_s = 0.0  # modelled time spent in steps
         self.num_steps = 0
         self.overrun_s = 0.0  # host work past the modelled end of a step (a host too slow)
@@ -97,14 +108,25 @@ class SimulatedExecutor:
         return None  # tokens are a function of the request's seed and position
 
     def run(self, out: SchedulerOutput) -> StepResult:
-        shape, sampled = [], []
+        shape, sampled, drafted = [], [], []
+        logit_rows = passes = 0
         for item in out.scheduled:
             req = item.request
             end = req.num_computed_tokens + item.num_new_tokens
+            # Drafts are part of num_new_tokens: BatchShape.of prices a (1 + K')-token query
+            # as 1 + K' GEMM rows, causal attention pairs among them, and one read of the
+            # sequence's K/V (per 128-query tile), as a verification pass costs.
             shape.append((item.num_new_tokens, end))
-            if end == len(req.prompt_token_ids) + len(req.output_token_ids):
-                sampled.append(req)
-        duration = step_time(self.model, self.accelerator, BatchShape.of(shape, len(sampled)))
+            k = len(item.spec_token_ids)
+            if end - k == len(req.prompt_token_ids) + len(req.output_token_ids):  # item.samples, inlined
+                sampled.append(item)
+                logit_rows += 1 + k  # the LM head and sampling run on every verified row
+                if k:
+                    drafted.append(end - k)
+                    passes = max(passes, k)
+        # num_sampled: logit rows, which is sequences sampled when nothing is drafted.
+        duration = step_time(self.model, self.accelerator, BatchShape.of(shape, logit_rows))
+        duration += draft_time(self.model, self.accelerator, drafted, passes, self.draft_cost)
         self.busy_s += duration
         self.num_steps += 1
         # A busy engine's steps follow each other on the modelled timeline: the host work in
@@ -119,12 +141,20 @@ class SimulatedExecutor:
             deadline = now
         self.clock.sleep_until(deadline)
         self._last_end = deadline
-        token = self.tokens.token
-        tokens = [token(r.seed, len(r.output_token_ids), r.sampling_params.ignore_eos,
-                        r.sampling_params.min_tokens) for r in sampled]
-        want_logprobs = any(r.sampling_params.logprobs is not None for r in sampled)
+        token, verify = self.tokens.token, self.drafts.verify
+        tokens, requests = [], []
+        for item in sampled:  # per sequence per step: kept lean
+            r = item.request
+            requests.append(r)
+            if item.spec_token_ids:  # the accepted drafts and one more
+                tokens.append(verify(r, item.spec_token_ids))
+            else:
+                p = r.sampling_params
+                tokens.append([token(r.seed, len(r.output_token_ids), p.ignore_eos, p.min_tokens)])
         logprobs = None
-        if want_logprobs:
-            logprobs = [self.tokens.logprob(r.seed, len(r.output_token_ids), t, r.sampling_params.logprobs or 0)
-                        for r, t in zip(sampled, tokens)]
-        return StepResult(sampled, tokens, logprobs)
+        if any(r.sampling_params.logprobs is not None for r in requests):
+            lp = self.tokens.logprob
+            logprobs = [[lp(r.seed, len(r.output_token_ids) + i, t, r.sampling_params.logprobs or 0)
+                         for i, t in enumerate(ts)] for r, ts in zip(requests, tokens)]
+        return StepResult(requests, tokens, logprobs)
+

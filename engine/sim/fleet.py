@@ -161,6 +161,7 @@ class Fleet:
         self._starting: list[float] = []  # when replicas being added become ready
         # (time, GPUs held from then on): serving, starting and draining replicas all hold one.
         self.gpu_timeline: list[tuple[float, int]] = []
+        self.num_speculative_tokens: int | None = None  # a live K set_limits applied, if any
         for _ in range(replicas):
             self.add_replica()
         self.vocab = self.replicas[0].engine.runner.tokens.low, self.replicas[0].engine.runner.vocab_size
@@ -183,6 +184,9 @@ class Fleet:
             self._record_gpus()
             return None
         r = Replica(next(self._ids), self.config, self.now)
+        if self.num_speculative_tokens is not None:  # a live K set earlier, as a pod's flags would carry
+            r.engine.update_limits(num_speculative_tokens=self.num_speculative_tokens)
+            r.metrics.record_stats(r.engine.stats())
         self.replicas.append(r)
         self._record_gpus()
         return r
@@ -202,12 +206,17 @@ class Fleet:
         self._retire()  # an idle one gives its GPU back at once
 
     def set_limits(self, **limits: int | None) -> None:
-        """Live max_num_seqs / max_model_len on every replica (ValueError leaves them: the
-        replicas share one model, so the first refuses before any changes)."""
+        """Live max_num_seqs / max_model_len / num_speculative_tokens on every replica
+        (ValueError leaves them: the replicas share one model, so the first refuses before
+        any changes)."""
+        spec_k = limits.pop("num_speculative_tokens", None)
         config = replace(self.config, **{k: v for k, v in limits.items() if v is not None})
         for r in self.replicas:
-            r.engine.update_limits(**limits)
+            r.engine.update_limits(**limits, num_speculative_tokens=spec_k)
         self.config = config  # replicas added later start with these
+        if spec_k is not None:
+            # Not an EngineConfig field (the configured K is the ceiling): kept to apply.
+            self.num_speculative_tokens = spec_k
 
     def _record_gpus(self) -> None:
         n = len(self.replicas) + len(self._starting)

@@ -70,6 +70,9 @@ class ReplicaMetrics:
     length_refusals: float = 0.0
     simulation: tuple[str, str] | None = None  # (accelerator, model) once record_simulation ran
     executor: dict[str, float] = field(default_factory=dict)
+    # Speculative decoding (the engine's SpecDecodeStats and K in effect); None unless it speculates.
+    spec_decode: object = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         tokens = buckets_1_2_5(self.max_model_len)
@@ -121,6 +124,7 @@ class ReplicaMetrics:
         self.prompt_by_source["local_cache_hit"] = s.prompt_tokens_cached_total
         self.cached_by_source["device"] = s.prefix_cache_hits_total
         self.executor = s.executor_counters
+        self.spec_decode, self.num_speculative_tokens = s.spec_decode, s.num_speculative_tokens
 
     def record_first_token(self, ttft: float) -> None:
         self._ttft.observe(max(ttft, 0.0))
@@ -196,6 +200,7 @@ class ReplicaMetrics:
             out.append(Sample("kvpilot:simulated_info", {**own, "accelerator": acc, "model": model}, 1.0))
             out += [Sample(f"kvpilot:{key}_total", own, float(self.executor.get(key, 0.0)))
                     for key in SIMULATED_COUNTERS]
+        out += self._spec_samples(base, own)
         for name, h in self.histograms.items():
             out += [Sample(f"{name}_bucket", {**base, "le": le}, float(n)) for le, n in h.cumulative()]
             out += [Sample(f"{name}_sum", base, h.sum), Sample(f"{name}_count", base, float(h.count))]
@@ -204,4 +209,19 @@ class ReplicaMetrics:
             out += [Sample(f"{TIER_TPOT_METRIC}_bucket", {**labels, "le": le}, float(n)) for le, n in h.cumulative()]
             out += [Sample(f"{TIER_TPOT_METRIC}_sum", labels, h.sum),
                     Sample(f"{TIER_TPOT_METRIC}_count", labels, float(h.count))]
+        return out
+
+    def _spec_samples(self, base: dict, own: dict) -> list[Sample]:
+        """vllm:spec_decode_* and kvpilot:num_speculative_tokens, as the server's
+        SpecDecodeMetrics exports them: only where the engine speculates."""
+        st = self.spec_decode
+        if st is None:
+            return []
+        out = [Sample("vllm:spec_decode_num_drafts_total", base, float(st.num_drafts)),
+               Sample("vllm:spec_decode_num_draft_tokens_total", base, float(st.num_draft_tokens)),
+               Sample("vllm:spec_decode_num_accepted_tokens_total", base, float(st.num_accepted_tokens))]
+        out += [Sample("vllm:spec_decode_num_accepted_tokens_per_pos_total", {**base, "position": str(p)},
+                       float(n)) for p, n in enumerate(st.accepted_per_pos)]
+        if self.num_speculative_tokens is not None:
+            out.append(Sample("kvpilot:num_speculative_tokens", own, float(self.num_speculative_tokens)))
         return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-SETTINGS = ("max_num_seqs", "max_model_len", "replicas")
+SETTINGS = ("max_num_seqs", "max_model_len", "replicas", "num_speculative_tokens")
 
 
 class Diagnosis(str, Enum):
@@ -37,6 +37,7 @@ class Settings:
     block_size: int = 16
     max_num_batched_tokens: int | None = None  # max_num_seqs may not exceed it
     hpa_owns_scale: bool = False  # an HPA owns the replica count: leave replicas alone
+    num_speculative_tokens: int | None = None  # K in effect; None: the engine does not speculate
 
 
 @dataclass(frozen=True)
@@ -54,11 +55,13 @@ class Range:
 
 @dataclass(frozen=True)
 class Bounds:
-    """The spec's bounds: autotune.maxNumSeqs, autotune.maxModelLen, autoscaling min/max."""
+    """The spec's bounds: autotune.maxNumSeqs, autotune.maxModelLen, autoscaling min/max, and
+    autotune.numSpeculativeTokens (None without engine.speculative)."""
 
     max_num_seqs: Range
     max_model_len: Range
     replicas: Range
+    num_speculative_tokens: Range | None = None
 
     def of(self, setting: str) -> Range:
         return getattr(self, setting)
@@ -126,6 +129,10 @@ class Thresholds:
         "num_waiting": 1.0,
         "length_refusals_per_s": 0.01,
     })
+    # A K change is made on a predicted gain of spec_gain_margin; its target (TPOT) may then
+    # only get worse by noise. Drafts share each sequence's KV reads, which the rule's
+    # rows-only cost model leaves out, so at long contexts it can call a paying K a loss.
+    spec_worse_rel: float = 0.05
     revert_replicas: bool = False  # a worse queue after scale-out usually means more load
     # A max_num_seqs / max_model_len change made for preemption or queueing is also
     # reverted when output tokens/s fell by more than this fraction (it cost throughput).
@@ -140,6 +147,13 @@ class Thresholds:
     scale_out_cooldown_s: float = 15.0  # a planned scale-out may follow another after this
     # Diagnose-only warning: prefix-cache hit rate below this while prompts share a prefix.
     prefix_hit_low: float = 0.2
+    # Speculative decoding (speculation.py): a decode step costs about the same up to this many
+    # rows (running sequences x (1 + K) per replica), then grows in proportion (a heuristic
+    # compute-bound threshold; an H100 running an 8B model leaves the memory-bound regime at a
+    # few hundred rows, and attention's own reads lower that).
+    spec_compute_rows: float = 128.0
+    # K moves only when the model predicts at least this much more output per unit of step time.
+    spec_gain_margin: float = 0.1
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ spec.autotune.interval, measured from the time of the last decision in status:
 2. plan capacity from the pods' own kvpilot:kv_cache_bytes and
    kvpilot:kv_cache_bytes_per_token (any model, no config.json needed);
 3. rebuild the History from status.autotune (the only place it lives) and `decide`;
-4. Auto mode applies the decision: max_num_seqs / max_model_len through the proposal
+4. Auto mode applies the decision: max_num_seqs / max_model_len / num_speculative_tokens through the proposal
    (the reconcile writes them to the tuning ConfigMap), replicas through the
    LLMDeployment's scale subresource, as an HPA would (and not at all when an HPA
    targets it). Each applied change is an Event (AutotuneChange / AutotuneRevert, the
@@ -21,7 +21,7 @@ spec.autotune.interval, measured from the time of the last decision in status:
 6. with spec.autotune.sharedPrefix set, a low prefix-cache hit rate raises the
    PrefixCacheIneffective condition and a Warning Event (diagnose only);
 7. the TuningApplied condition says whether the pods report (kvpilot:max_num_seqs,
-   kvpilot:max_model_len) the settings in effect. A short disagreement is the tuning
+   kvpilot:max_model_len, kvpilot:num_speculative_tokens) the settings in effect. A short disagreement is the tuning
    ConfigMap still propagating; one that outlasts TUNING_GRACE_S (or two windows) is
    PodsDisagree with a Warning Event: the engine refused a value, e.g. a max_model_len
    longer than its KV cache holds.
@@ -38,7 +38,7 @@ from typing import Any, Callable, Protocol
 from .. import metrics
 from ..objects import INSTANCE_LABEL
 from ..reconcile import AutotuneContext, AutotuneOutcome
-from ..spec import GROUP, KIND, VERSION, LLMDeploymentSpec
+from ..spec import GROUP, KIND, VERSION, LLMDeploymentSpec, spec_tokens_bounds
 from ..status import AutotuneStatus, Condition, Effective
 from .capacity import CapacityPlan, plan_capacity
 from .decision import Action, Bounds, Decision, Diagnosis, Range, Settings, Thresholds
@@ -108,9 +108,11 @@ def thresholds_for(spec: LLMDeploymentSpec) -> Thresholds:
 
 def bounds_for(spec: LLMDeploymentSpec) -> Bounds:
     a = spec.autotune
+    spec_tokens = spec_tokens_bounds(spec)
     return Bounds(max_num_seqs=Range(a.max_num_seqs.min, a.max_num_seqs.max),
                   max_model_len=Range(a.max_model_len.min, a.max_model_len.max),
-                  replicas=Range(spec.autoscaling.min_replicas, spec.autoscaling.max_replicas))
+                  replicas=Range(spec.autoscaling.min_replicas, spec.autoscaling.max_replicas),
+                  num_speculative_tokens=Range(*spec_tokens) if spec_tokens is not None else None)
 
 
 def last_decision_time(prev: AutotuneStatus | None) -> float | None:
@@ -155,7 +157,8 @@ def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None 
         max_num_seqs=ctx.effective.max_num_seqs, max_model_len=ctx.effective.max_model_len,
         replicas=ctx.effective.replicas if ctx.effective.replicas is not None else spec.replicas,
         block_size=spec.engine.block_size, max_num_batched_tokens=spec.engine.max_num_batched_tokens,
-        hpa_owns_scale=_hpa_owns_scale(kube, owner.namespace, owner.name))
+        hpa_owns_scale=_hpa_owns_scale(kube, owner.namespace, owner.name),
+        num_speculative_tokens=ctx.effective.num_speculative_tokens)
     thresholds = thresholds_for(spec)
     history = history_of(prev)
 
@@ -196,7 +199,9 @@ def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None 
         values = {k: b for k, (_, b) in decision.change.items()}
         proposed = Effective(max_num_seqs=values.get("max_num_seqs", current.max_num_seqs),
                              max_model_len=values.get("max_model_len", current.max_model_len),
-                             replicas=replicas if auto else values.get("replicas", current.replicas))
+                             replicas=replicas if auto else values.get("replicas", current.replicas),
+                             num_speculative_tokens=values.get("num_speculative_tokens",
+                                                               current.num_speculative_tokens))
     # The Event and counter wait for the status write (reconcile runs `announce` after it).
     announce = functools.partial(_announce_change, kube, owner, decision) if applied else None
 
@@ -267,7 +272,8 @@ def _tuning_condition(ctx: AutotuneContext, snap: Snapshot | None, current: Sett
                       now: float) -> list[Condition] | None:
     """TuningApplied from the settings the pods report; None (keep the previous one) when
     no pod reports any (no data, or stock vLLM pods without the kvpilot: gauges)."""
-    settings = ("max_num_seqs", "max_model_len")
+    settings = ("max_num_seqs", "max_model_len") + (
+        ("num_speculative_tokens",) if current.num_speculative_tokens is not None else ())
     if snap is None or not any(snap.reported(k) for k in settings):
         return None
     expected = ", ".join(f"{k}={getattr(current, k)}" for k in settings)

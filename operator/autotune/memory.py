@@ -30,7 +30,9 @@ def broken_width(history: History, now: float, t: Thresholds) -> tuple[int, floa
 
 def blocked_move(history: History, setting: str, direction: int, now: float, t: Thresholds) -> str | None:
     """Why moving `setting` in `direction` is not allowed now: it would retry a move that
-    was just reverted, or lower max_model_len right after it was raised for refusals."""
+    was just reverted, lower max_model_len right after it was raised for refusals, or raise
+    num_speculative_tokens right after it was lowered (a load that swings around the point
+    where drafts stop paying must not flip K every cooldown)."""
     for entry in reversed(history.applied_since(now - t.flip_backoff_s)):
         d = entry.decision
         if setting not in d.change:
@@ -41,6 +43,8 @@ def blocked_move(history: History, setting: str, direction: int, now: float, t: 
             return f"{setting} was reverted {ago(now, d.time)}; not retrying that move yet"
         if setting == "max_model_len" and direction < 0 and moved > 0:
             return f"max_model_len was raised {ago(now, d.time)}; not lowering it again yet"
+        if setting == "num_speculative_tokens" and direction > 0 and moved < 0:
+            return f"num_speculative_tokens was lowered {ago(now, d.time)}; not raising it again yet"
     return None
 
 

@@ -9,12 +9,15 @@ Order of business each interval:
    if the signal it targeted got worse, or it cost throughput, the answer is its revert;
 5. holds: still verifying, pods not yet reporting the settings, cooldown, a window that
    is not all under load (ramp-up);
-6. the rule for the diagnosis (how far each move goes: steps.py), in the order a person
+6. speculation that costs more than it earns is turned down first (speculation.py): its drafts
+   are compute spent for nothing, and undoing it moves no memory;
+7. the rule for the diagnosis (how far each move goes: steps.py), in the order a person
    would diagnose: idle, preemption, length refusals, TPOT over the user's objective,
    then queueing split by what binds (the max_num_seqs cap, a long max_model_len, the
    hardware). With Thresholds.planner (autotune.controller Model) a fitted model of the
    deployment (planner.py, planned.py) sizes replicas and max_num_seqs for TPOT, scheduler, hardware
-   and healthy intervals instead of the fixed-ratio steps.
+   and healthy intervals instead of the fixed-ratio steps;
+8. when that rule changes nothing, speculation that would earn more is turned up a step.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from .history import History
 from .memory import PRESSURE, QUEUE_BOUND, blocked_move, broken_width, cap_in_window
 from .planned import PLANNED, plan_from_history, planned_change, scale_out_in_cooldown
 from .signals import Snapshot
+from .speculation import speculation_change
 from .steps import (len_target, lower_seqs, lower_seqs_for_tpot, raise_seqs, round_up, seqs_ceiling,
                     tpot_blocks_raise)
 from .verify import ago, fmt_change, judge_last_change, signal, throughput_baseline
@@ -73,9 +77,10 @@ def decide(
         return Decision(now, diagnosis, Action.HOLD, reason, verifies=verifies, verified=verified,
                         planned_replicas=planned)
 
+    live = ("max_num_seqs", "max_model_len") + (
+        ("num_speculative_tokens",) if current.num_speculative_tokens is not None else ())
     unconfirmed = [f"{k}={sorted(snapshot.reported(k))} (expected {getattr(current, k)})"
-                   for k in ("max_num_seqs", "max_model_len")
-                   if snapshot.reported(k) and snapshot.reported(k) != {getattr(current, k)}]
+                   for k in live if snapshot.reported(k) and snapshot.reported(k) != {getattr(current, k)}]
     if unconfirmed:
         return hold(f"{evidence}; waiting for the pods to report " + ", ".join(unconfirmed))
     model_plan = plan_from_history(snapshot, current, bounds, history, now, thresholds)
@@ -90,13 +95,20 @@ def decide(
         return hold(f"{evidence}; no request was running at some point in the window (load began "
                     f"or paused within it): waiting for a whole window of steady load")
 
-    proposal, planned = None, None
-    if diagnosis in PLANNED and model_plan is not None:
+    planned = None
+    proposal = speculation_change(diagnosis, snapshot, current, bounds, history, now, thresholds, -1)
+    if proposal is None and diagnosis in PLANNED and model_plan is not None:
         proposal = planned_change(diagnosis, snapshot, current, model_plan, history, now, thresholds)
         if proposal is not None:
             proposal, planned = proposal[:4], proposal[4]
     if proposal is None:
         proposal = _act(diagnosis, snapshot, current, bounds, history, now, capacity, thresholds)
+    if proposal is None or not proposal[0]:
+        up = speculation_change(diagnosis, snapshot, current, bounds, history, now, thresholds, +1)
+        if up is not None:  # the other rule's note (and diagnosis, e.g. HardwareBound) stay
+            note = proposal[2] if proposal is not None else ""
+            proposal = (up[0], up[1], f"{note}; {up[2]}" if note else up[2],
+                        proposal[3] if proposal is not None else up[3])
     if proposal is None:
         return hold(evidence)
     change, target, extra, diagnosis = proposal
@@ -288,11 +300,13 @@ def _scale_in(cur: Settings, bounds: Bounds, history: History, t: Thresholds):
 
 def _clamp_to_bounds(cur: Settings, bounds: Bounds) -> dict:
     out = {}
-    for k in ("max_num_seqs", "max_model_len", "replicas"):
+    for k in ("max_num_seqs", "max_model_len", "replicas", "num_speculative_tokens"):
         if k == "replicas" and cur.hpa_owns_scale:
             continue
-        v = getattr(cur, k)
-        c = bounds.of(k).clamp(v)
+        v, r = getattr(cur, k), bounds.of(k)
+        if v is None or r is None:  # no speculation configured
+            continue
+        c = r.clamp(v)
         if c != v:
             out[k] = (v, c)
     return out

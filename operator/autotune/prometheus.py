@@ -37,7 +37,12 @@ config's relabelling) and aggregates over the pods:
 - KV sizing: the smallest kvpilot:kv_cache_bytes and the largest
   kvpilot:kv_cache_bytes_per_token over the pods (what the capacity plan needs, for any
   model, without its config);
-- settings in effect: kvpilot:max_num_seqs and kvpilot:max_model_len, per pod.
+- speculative decoding (vLLM's counters, present only where the pods speculate): the
+  acceptance rate rate(accepted tokens) / rate(draft tokens), the mean accepted length
+  1 + rate(accepted tokens) / rate(drafts) (tokens per verification), drafts/s, and the
+  largest kvpilot:num_speculative_tokens over the pods; None with no drafts in the window;
+- settings in effect: kvpilot:max_num_seqs, kvpilot:max_model_len and
+  kvpilot:num_speculative_tokens, per pod.
 
 Staleness: for each raw metric, the oldest pod's newest sample (`min(timestamp(...))`)
 is compared with the query's evaluation time; older than `stale_after_scrapes` scrape
@@ -85,14 +90,20 @@ SOURCES = {
     "prompt_tokens_per_s": "vllm:prompt_tokens_total",
     "tpot_mean_s": "vllm:request_time_per_output_token_seconds_count",
     "flex_share": f"{TIER_TPOT_METRIC}_count",
+    "spec_acceptance_rate": "vllm:spec_decode_num_draft_tokens_total",
+    "spec_mean_accepted_len": "vllm:spec_decode_num_drafts_total",
+    "spec_drafts_per_s": "vllm:spec_decode_num_drafts_total",
+    "num_speculative_tokens": "kvpilot:num_speculative_tokens",
 }
 # Second sources of two-metric signals (also checked).
 EXTRA_SOURCES = {"request_len_p99": "vllm:request_generation_tokens_bucket",
-                 "prefix_hit_rate": "vllm:prefix_cache_hits_total"}
+                 "prefix_hit_rate": "vllm:prefix_cache_hits_total",
+                 "spec_mean_accepted_len": "vllm:spec_decode_num_accepted_tokens_total"}
 # Not a Snapshot field: TPOT p95 over the tiers other than flex, which replaces tpot_p95_s
 # where the pods export TPOT by tier.
 TIERED_TPOT_P95 = "tiered_tpot_p95_s"
-SETTINGS_METRICS = {"max_num_seqs": "kvpilot:max_num_seqs", "max_model_len": "kvpilot:max_model_len"}
+SETTINGS_METRICS = {"max_num_seqs": "kvpilot:max_num_seqs", "max_model_len": "kvpilot:max_model_len",
+                    "num_speculative_tokens": "kvpilot:num_speculative_tokens"}
 DEFAULT_REFUSAL_METRIC = "kvpilot:request_length_refusals_total"
 QUERY_TIMEOUT_S = 10
 
@@ -193,6 +204,13 @@ def build_queries(target: Target | FleetTarget, window_s: float,
         "flex_share": (f'{sum_}(rate({TIER_TPOT_METRIC}_count{{{sel},service_tier="{FLEX_TIER}"}}[{w}])) / '
                        f"{rate(TIER_TPOT_METRIC + '_count')}"),
         TIERED_TPOT_P95: quantile(0.95, TIER_TPOT_METRIC, f',service_tier!="{FLEX_TIER}"'),
+        # No drafts in the window (speculation off, nothing matched) divides 0 by 0: no value.
+        "spec_acceptance_rate": (f"{rate('vllm:spec_decode_num_accepted_tokens_total')} / "
+                                 f"{rate('vllm:spec_decode_num_draft_tokens_total')}"),
+        "spec_mean_accepted_len": (f"1 + {rate('vllm:spec_decode_num_accepted_tokens_total')} / "
+                                   f"{rate('vllm:spec_decode_num_drafts_total')}"),
+        "spec_drafts_per_s": rate("vllm:spec_decode_num_drafts_total"),
+        "num_speculative_tokens": f"{max_}(kvpilot:num_speculative_tokens{{{sel}}})",
     }
 
 

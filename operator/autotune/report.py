@@ -21,7 +21,8 @@ from .history import History, HistoryEntry, Observation
 from .planner import fit
 from .signals import Snapshot
 
-_CAMEL = {"max_num_seqs": "maxNumSeqs", "max_model_len": "maxModelLen", "replicas": "replicas"}
+_CAMEL = {"max_num_seqs": "maxNumSeqs", "max_model_len": "maxModelLen", "replicas": "replicas",
+          "num_speculative_tokens": "numSpeculativeTokens"}
 _SNAKE = {v: k for k, v in _CAMEL.items()}
 
 
@@ -63,6 +64,10 @@ class SnapshotStatus(_Model):
     request_len_p99: Optional[float] = None
     prefix_hit_rate: Optional[float] = None
     length_refusals_per_second: Optional[float] = None
+    spec_acceptance_rate: Optional[float] = None
+    spec_mean_accepted_len: Optional[float] = None
+    spec_drafts_per_second: Optional[float] = None
+    num_speculative_tokens: Optional[float] = None
     missing: list[str] = Field(default_factory=list)
     stale: list[str] = Field(default_factory=list)
 
@@ -116,6 +121,8 @@ def snapshot_status(s: Snapshot) -> SnapshotStatus:
         request_rate_per_second=r(s.request_rate_per_s), request_latency_mean_seconds=r(s.request_latency_mean_s),
         request_len_p99=r(s.request_len_p99),
         prefix_hit_rate=r(s.prefix_hit_rate), length_refusals_per_second=r(s.length_refusals_per_s),
+        spec_acceptance_rate=r(s.spec_acceptance_rate), spec_mean_accepted_len=r(s.spec_mean_accepted_len),
+        spec_drafts_per_second=r(s.spec_drafts_per_s), num_speculative_tokens=r(s.num_speculative_tokens),
         missing=list(s.missing), stale=list(s.stale),
     )
 

@@ -23,17 +23,20 @@ OPTIONAL_SIGNALS = ("ttft_p95_s", "tpot_p95_s", "generation_tokens_per_s", "runn
                     "request_len_p99", "prefix_hit_rate", "length_refusals_per_s",
                     "kv_cache_bytes", "kv_bytes_per_token", "prompt_tokens_per_s", "tpot_mean_s",
                     "num_waiting_now", "flex_share", "prompt_len_mean",
-                    "generation_len_mean")
+                    "generation_len_mean", "spec_acceptance_rate", "spec_mean_accepted_len",
+                    "spec_drafts_per_s", "num_speculative_tokens")
 
 
 @dataclass(frozen=True)
 class PodSettings:
-    """The settings one pod reports in effect (`kvpilot:max_num_seqs`, `kvpilot:max_model_len`);
-    None where the pod does not export the gauge (a stock vLLM pod)."""
+    """The settings one pod reports in effect (`kvpilot:max_num_seqs`, `kvpilot:max_model_len`,
+    `kvpilot:num_speculative_tokens`); None where the pod does not export the gauge (a stock
+    vLLM pod; an engine that does not speculate)."""
 
     pod: str
     max_num_seqs: int | None = None
     max_model_len: int | None = None
+    num_speculative_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,14 @@ class Snapshot:
     # smallest cache and the largest per-token cost over the pods, for the capacity plan.
     kv_cache_bytes: float | None = None
     kv_bytes_per_token: float | None = None
+    # Speculative decoding (vllm:spec_decode_*), None where the pods do not speculate or drafted
+    # nothing in the window: accepted / drafted tokens (0..1); 1 + accepted tokens per draft (the
+    # tokens one verification yields); drafts per second; the largest num_speculative_tokens in
+    # effect over the pods (kvpilot:num_speculative_tokens; 0 is off).
+    spec_acceptance_rate: float | None = None
+    spec_mean_accepted_len: float | None = None
+    spec_drafts_per_s: float | None = None
+    num_speculative_tokens: float | None = None
     pods: tuple[PodSettings, ...] = ()
     missing: tuple[str, ...] = ()
     stale: tuple[str, ...] = ()

@@ -37,7 +37,8 @@ def judge_last_change(s: Snapshot, cur: Settings, bounds: Bounds, history: Histo
     value = signal(s, d.target)
     judged = f"{d.target} {fmt(d.target, d.baseline)} -> {fmt(d.target, value)} after {fmt_change(d.change)}"
     problems, notes = [], []
-    if value > d.baseline * (1 + t.worse_rel) + t.worse_abs.get(d.target, 0.0):
+    worse_rel = t.spec_worse_rel if "num_speculative_tokens" in d.change else t.worse_rel
+    if value > d.baseline * (1 + worse_rel) + t.worse_abs.get(d.target, 0.0):
         gained = _throughput_gained(s, d.throughput_baseline, t)
         if gained:  # an open-loop overload: the backlog grows whatever the setting does
             notes.append(f"{judged}, but {gained}: more load, not the change")
@@ -118,6 +119,8 @@ def signal(s: Snapshot, name: str) -> float:
 
 
 def fmt(name: str, v: float) -> str:
+    if name.startswith("tpot"):  # tens of milliseconds: seconds to two places would hide a change
+        return f"{1000 * v:.1f}ms"
     if name.endswith("_s") and not name.endswith("per_s"):
         return f"{v:.2f}s"
     if name.endswith("per_s"):

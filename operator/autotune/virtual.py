@@ -9,7 +9,7 @@ simulator's timing model: only what the pods export."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
 from kvpilot.engine.sim.fleet import Fleet, Scrape
@@ -84,6 +84,10 @@ class Interval:
     max_num_seqs: int
     max_model_len: int
     replicas: int
+    num_speculative_tokens: int | None = None  # None: the fleet does not speculate
+
+
+LIVE_LIMITS = ("max_num_seqs", "max_model_len", "num_speculative_tokens")  # engine.update_limits'
 
 
 def current_settings(fleet: Fleet) -> Settings:
@@ -91,11 +95,21 @@ def current_settings(fleet: Fleet) -> Settings:
     cfg = fleet.config
     return Settings(max_num_seqs=engine.max_num_seqs, max_model_len=engine.max_model_len,
                     replicas=fleet.num_replicas, block_size=cfg.block_size,
-                    max_num_batched_tokens=cfg.max_num_batched_tokens)
+                    max_num_batched_tokens=cfg.max_num_batched_tokens,
+                    num_speculative_tokens=engine.num_speculative_tokens)
+
+
+def with_spec_bounds(bounds: Bounds, fleet: Fleet) -> Bounds:
+    """The bounds with num_speculative_tokens' default where the fleet speculates and none
+    was given: [0, the configured K], as an LLMDeployment's (spec_tokens_bounds)."""
+    spec = fleet.config.speculative_config
+    if bounds.num_speculative_tokens is not None or spec is None:
+        return bounds
+    return replace(bounds, num_speculative_tokens=Range(0, spec.num_speculative_tokens))
 
 
 def apply(fleet: Fleet, decision: Decision, startup_s: float) -> None:
-    limits = {k: new for k, (_, new) in decision.change.items() if k in ("max_num_seqs", "max_model_len")}
+    limits = {k: new for k, (_, new) in decision.change.items() if k in LIVE_LIMITS}
     if limits:
         fleet.set_limits(**limits)
     if "replicas" in decision.change:
@@ -159,7 +173,8 @@ class AutoController:
         current = current_settings(fleet)
         plan = capacity_plan(snap, current)
         self.history = self.history.observe(observation(snap, current.replicas))
-        decision = decide(snap, current, tune.bounds, self.history, t, capacity=plan, thresholds=tune.thresholds)
+        bounds = with_spec_bounds(tune.bounds, fleet)
+        decision = decide(snap, current, bounds, self.history, t, capacity=plan, thresholds=tune.thresholds)
         applied = tune.mode == "Auto" and decision.changes_something
         if applied:
             try:
@@ -182,9 +197,9 @@ def run_autotuned(fleet: Fleet, trace: list[TraceRequest], tune: AutotuneSetting
     return auto.intervals
 
 
-def _effective(fleet: Fleet) -> tuple[int, int, int]:
+def _effective(fleet: Fleet) -> tuple[int, int, int, int | None]:
     s = current_settings(fleet)
-    return s.max_num_seqs, s.max_model_len, s.replicas
+    return s.max_num_seqs, s.max_model_len, s.replicas, s.num_speculative_tokens
 
 
 def set_replicas(fleet: Fleet, desired: int, startup_s: float) -> None:

@@ -1,0 +1,30 @@
+"""Which executor runs the forward pass: the real model, or the simulated accelerator's
+timing model (apart from executor.py, whose protocol both implementations import)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
+    from .executor import Executor
+    from .tokenizer import Tokenizer
+
+
+def load_executor(config: EngineConfig, clock) -> tuple[Executor, Tokenizer]:
+    """The real model (torch, imported only here) or, with `config.simulate`, the timing
+    model of an accelerator (no torch, no weights, no KV bytes)."""
+    if config.simulate is not None:
+        from .sim.executor import SimulatedExecutor
+
+        executor = SimulatedExecutor.load(config, clock)
+        return executor, executor.tokenizer
+    from .model_config import ModelConfig
+    from .model_runner import ModelRunner
+    from .model_source import resolve_model
+    from .tokenizer import Tokenizer
+
+    model_dir = resolve_model(config.model)
+    model_config = ModelConfig.from_dir(model_dir, config.quantization)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    return ModelRunner(config, model_config, str(model_dir)), tokenizer
