@@ -14,6 +14,7 @@ import torch
 from .attention_metadata import AttentionMetadata
 from .cpu_attention import TorchPagedAttention
 from .cpu_decode_kernel import DecodeKernel
+from .kv_cache_dtype import is_fp8, quantize_fp8
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -55,12 +56,18 @@ class PagedAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,  # fp8 caches' K/V scales (ignored for a model-dtype cache)
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if self.backend == "torch":
-            write_kv_cache_torch(key, value, k_cache, v_cache, meta.slot_mapping)
+            write_kv_cache_torch(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
             if meta.torch_plan is None:
                 raise RuntimeError("the torch attention backend needs AttentionMetadata.torch_plan")
-            return self._torch(query, key, value, k_cache, v_cache, meta.torch_plan, scale)
+            return self._torch(query, key, value, k_cache, v_cache, meta.torch_plan, scale,
+                               k_scale, v_scale)
+        if is_fp8(k_cache):  # ModelRunner refuses this at start-up; a direct caller gets it here
+            raise ValueError("kv_cache_dtype fp8: the Triton kernels read model-dtype caches only; "
+                             "use the torch attention backend")
         self._write(key, value, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode_only:
             return self._decode(
@@ -79,6 +86,13 @@ def write_kv_cache_torch(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens]
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
+    """Scatter the step's K/V into their slots; into an fp8 cache as x / scale, saturated."""
+    if is_fp8(k_cache):
+        # As bytes: index_copy_ has no float8 kernel on the CPU.
+        key, value = quantize_fp8(key, k_scale).view(torch.uint8), quantize_fp8(value, v_scale).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)

@@ -16,6 +16,8 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda")
 # for what a checkpoint in that format gets anyway (engine/quant_compressed_tensors.py).
 QUANTIZATION_CHOICES = ("int8", "int4", "compressed-tensors")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+# vLLM's --kv-cache-dtype values: auto = the model's dtype; fp8 = fp8_e4m3 (kv_cache_dtype.py).
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3")
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when the user gives nothing on CPU
 
 
@@ -46,6 +48,10 @@ class EngineConfig:
     gpu_memory_utilization: float = setting(
         0.9, "fraction of the GPU's memory for weights, activations and the KV cache",
         exclusive="kv_cache_size")
+    kv_cache_dtype: str = setting(
+        "auto", "the KV cache's storage dtype (auto: the model's; fp8 = fp8_e4m3: one byte per "
+                "element with per-layer K/V scales, twice a 16-bit cache's tokens in the same "
+                "memory; torch attention backend only for now)", choices=KV_CACHE_DTYPE_CHOICES)
     enable_prefix_caching: bool = setting(True, "share the KV blocks of identical prompt prefixes")
     attention_backend: str = setting("auto", "paged attention kernels (auto: triton on CUDA, torch "
                                       "on CPU)", choices=ATTENTION_BACKENDS)
@@ -91,6 +97,18 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES} (or None for float "
                              f"weights), got {self.quantization!r}")
+        if self.quantization is not None and self.simulate is not None:
+            # The simulated accelerator models float weights only: never report a quantized
+            # deployment's memory and speed as if it were float.
+            raise ValueError(f"quantization={self.quantization!r} is not modelled by --simulate "
+                             "(its weights and step times are float's); drop one of them")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.simulate is not None:
+            # The simulator sizes its KV cache in the model's dtype: never report fp8's capacity as float's.
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not modelled by --simulate "
+                             "(its cache holds the model's dtype); drop one of them")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"

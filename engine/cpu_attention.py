@@ -13,6 +13,10 @@ grouped).
 Prefill rows (a request's query_len > 1 new tokens) run one SDPA per request: on the
 step's own K/V when nothing was cached before (a fresh prompt needs no gather), on its
 gathered blocks with a causal offset otherwise (a later chunk or a prefix-cache hit).
+
+An fp8 cache (--kv-cache-dtype fp8) is gathered in fp8, then upcast to the query's dtype
+and scaled by the layer's k_scale / v_scale; a fresh prompt's own K/V stay unquantized
+(read from the step, not the cache), as vLLM's prefill over a step's own tokens does.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_decode_kernel import DecodeKernel
+from .kv_cache_dtype import dequantize_fp8, is_fp8
 
 MAX_DECODE_GROUPS = 4
 MIN_ROWS_PER_GROUP = 8
@@ -128,6 +133,17 @@ class TorchPagedAttention:
         self._k_work = torch.empty(0)  # [capacity_blocks, block_size, num_kv_heads, head_dim]
         self._v_work = torch.empty(0)
 
+    def _read(self, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+              dtype: torch.dtype, k_scale: float, v_scale: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:  # each [len(blocks), block_size, kv_heads, head_dim]
+        """The blocks' K/V in `dtype`; an fp8 cache's gathered bytes upcast and scaled."""
+        if not is_fp8(k_cache):
+            return self._gather(k_cache, v_cache, blocks)
+        # Gathered as bytes (index_select has no float8 kernel on the CPU), a quarter of
+        # float32's bytes moved, then upcast and scaled.
+        k, v = self._gather(k_cache.view(torch.uint8), v_cache.view(torch.uint8), blocks)
+        return dequantize_fp8(k.view(k_cache.dtype), k_scale, dtype), dequantize_fp8(v.view(v_cache.dtype), v_scale, dtype)
+
     def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # each [len(blocks), block_size, kv_heads, head_dim]
         n = blocks.numel()
@@ -150,6 +166,8 @@ class TorchPagedAttention:
         v_cache: torch.Tensor,
         plan: TorchAttentionPlan,
         scale: float,
+        k_scale: float = 1.0,  # an fp8 cache's scales (see kv_cache_dtype.py)
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         out = torch.empty_like(query)
         num_heads = query.shape[1]
@@ -161,7 +179,7 @@ class TorchPagedAttention:
             out[d.rows] = self.decode_kernel(query[d.rows], k_cache, v_cache, d.block_tables,
                                              d.seq_lens, scale)
         for g in plan.decode:
-            k, v = self._gather(k_cache, v_cache, g.blocks)
+            k, v = self._read(k_cache, v_cache, g.blocks, query.dtype, k_scale, v_scale)
             n = g.rows.numel()
             k = k.view(n, -1, kv_heads, head_dim).transpose(1, 2)  # [n, kv_heads, L, head_dim]
             v = v.view(n, -1, kv_heads, head_dim).transpose(1, 2)
@@ -178,7 +196,7 @@ class TorchPagedAttention:
                     q, key[rows].transpose(0, 1), value[rows].transpose(0, 1),
                     is_causal=True, scale=scale, enable_gqa=True)
             else:
-                k, v = self._gather(k_cache, v_cache, p.blocks)
+                k, v = self._read(k_cache, v_cache, p.blocks, query.dtype, k_scale, v_scale)
                 k = k.flatten(0, 1)[:p.seq_len].transpose(0, 1)  # [kv_heads, seq_len, head_dim]
                 v = v.flatten(0, 1)[:p.seq_len].transpose(0, 1)
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scale,

@@ -77,6 +77,8 @@ class DecodeKernel:
         seq_lens = seq_lens.contiguous()
         num_seqs, num_heads, head_dim = query.shape
         num_blocks, block_size, kv_heads, _ = k_cache.shape
+        if k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
+            raise ValueError(f"the decode kernel reads float32 caches, got {k_cache.dtype}")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the decode kernel needs contiguous K/V caches")
         out = torch.empty_like(query)

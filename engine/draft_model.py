@@ -28,7 +28,8 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 class DraftModel:
     def __init__(self, source: str, target: ModelConfig, max_model_len: int, attention: PagedAttention,
-                 dtype: torch.dtype, device: torch.device, block_size: int) -> None:
+                 dtype: torch.dtype, device: torch.device, block_size: int,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
         model_dir = resolve_model(source)
         cfg = ModelConfig.from_dir(model_dir)
         if cfg.vocab_size != target.vocab_size:
@@ -38,6 +39,10 @@ class DraftModel:
             raise ValueError(f"speculative_config.model: the draft has {cfg.max_position_embeddings} positions, "
                              f"fewer than max_model_len ({max_model_len})")
         self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, device, block_size
+        # Its cache follows --kv-cache-dtype (a block's draft share halves under fp8 too, as in
+        # vLLM): the target verifies every proposal, so the draft's KV precision moves the
+        # acceptance rate, never the outputs. Its layers keep their own K/V scales (1.0).
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.model = LlamaForCausalLM.build(cfg, attention, cfg.max_position_embeddings, dtype, device)
         self.model.load_weights(iter_safetensors(model_dir))
         # Stays float under --quantization (which quantizes the target only): it is small, and
@@ -49,13 +54,13 @@ class DraftModel:
     @property
     def kv_bytes_per_block(self) -> int:
         cfg = self.cfg
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
                           for _ in range(self.cfg.num_hidden_layers)]
 
     @torch.inference_mode()

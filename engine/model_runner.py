@@ -17,6 +17,7 @@ from .cpu_threads import release_openmp_pool
 from .device import pick_device, pick_dtype
 from .draft_model import DraftModel
 from .executor import StepResult
+from .kv_cache_dtype import FP8, resolve_kv_cache_dtype
 from .model_config import ModelConfig
 from .models.llama import LlamaForCausalLM
 from .outputs import TokenLogprob
@@ -49,8 +50,15 @@ class ModelRunner:
         self.vocab_size = model_cfg.vocab_size
         self.max_position_embeddings = model_cfg.max_position_embeddings
         self.backend = resolve_backend(config.attention_backend, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        if self.kv_cache_dtype == FP8 and self.backend != "torch":
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} runs on the torch attention "
+                             f"backend only (the Triton kernels read model-dtype caches); got "
+                             f"attention_backend={self.backend!r}: add --attention-backend torch")
         self.attention = PagedAttention(self.backend)
-        if self.backend == "torch" and self.device.type == "cpu" and self.dtype == torch.float32:
+        # The C decode kernel reads float32 caches only: an fp8 cache decodes through SDPA.
+        if (self.backend == "torch" and self.device.type == "cpu" and self.dtype == torch.float32
+                and self.kv_cache_dtype == torch.float32):
             self.attention.use_decode_kernel(load_decode_kernel())
         self.model = LlamaForCausalLM.build(
             model_cfg, self.attention, model_cfg.max_position_embeddings, self.dtype, self.device,
@@ -71,7 +79,8 @@ class ModelRunner:
             draft_attention = PagedAttention(self.backend)
             draft_attention.use_decode_kernel(self.attention.decode_kernel)
             self.draft = DraftModel(spec.model, model_cfg, config.max_model_len or self.max_position_embeddings,
-                                    draft_attention, self.dtype, self.device, self.block_size)
+                                    draft_attention, self.dtype, self.device, self.block_size,
+                                    self.kv_cache_dtype)
             self.weight_bytes += self.draft.weight_bytes
         self.packed_linears = 0
         if packed_linear_available(self.dtype, self.device):
@@ -94,6 +103,8 @@ class ModelRunner:
         if self.backend == "torch":
             kernel = self.attention.decode_kernel
             decode = f" (decode: C kernel {kernel.path.name})" if kernel else " (decode: SDPA)"
+            if self.kv_cache_dtype == FP8:
+                decode = " (decode: SDPA; the C kernel reads float32 caches, not fp8)"
         graphs = ""
         if self.graphs is not None:
             graphs = (f"; CUDA graphs for decode batches up to {self.graphs.sizes[-1]} "
@@ -106,6 +117,8 @@ class ModelRunner:
         if self.draft is not None:
             memory += (f"; draft model {self.config.speculative_config.model} "
                        f"({self.draft.weight_bytes / 2**20:.1f} MiB of weights)")
+        if self.kv_cache_dtype != self.dtype:
+            memory += f"; KV cache in {self.kv_cache_dtype} (per-layer K/V scales)"
         return (f"attention backend {self.backend}{decode}; {self.dtype} on {self.device}"
                 f"{linears}{graphs}{memory}")
 
@@ -129,7 +142,7 @@ class ModelRunner:
     @property
     def kv_bytes_per_block(self) -> int:
         cfg = self.model_cfg
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         target = 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
         return target + (self.draft.kv_bytes_per_block if self.draft is not None else 0)
 
@@ -153,8 +166,8 @@ class ModelRunner:
     def _make_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model_cfg
         shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+        return [(torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
                 for _ in range(cfg.num_hidden_layers)]
 
     @torch.inference_mode()

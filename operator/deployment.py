@@ -64,6 +64,8 @@ def engine_args(owner: Owner, spec: LLMDeploymentSpec, model_arg: str | None) ->
         args += simulate_args(e.simulate)
     if e.speculative is not None:  # K here is the most; the tuning file sets the value in effect
         args += ["--speculative-config", json.dumps(e.speculative.engine_config(), sort_keys=True)]
+    if e.quantization is not None:
+        args += ["--quantization", e.quantization]
     if e.api_key_secret_ref is not None:
         args += ["--api-key", "$(KVPILOT_API_KEY)"]
     return args + list(e.extra_args)

@@ -225,6 +225,8 @@ class EngineSpec(Model):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         rule("!(has(self.kvCacheMemory) && has(self.gpuMemoryUtilization))",
              "engine.kvCacheMemory and engine.gpuMemoryUtilization are mutually exclusive"),
+        rule("!has(self.quantization) || !has(self.simulate)",
+             "engine.quantization is not modelled by engine.simulate", ".quantization"),
     ]})
     image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=512)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
@@ -249,6 +251,11 @@ class EngineSpec(Model):
     speculative: Optional[SpeculativeSpec] = Field(
         default=None, description="Speculative decoding: {method: ngram, numSpeculativeTokens: 4} or "
                                   "{model: builtin:NAME or a path, numSpeculativeTokens: 3}.")
+    quantization: Optional[Literal["int8", "int4"]] = Field(
+        default=None, description="Quantize the decoder's linear layers at load (the engine's "
+                                  "--quantization): int8 = W8A16 per channel, int4 = W4A16 in groups of "
+                                  "128. A compressed-tensors checkpoint needs nothing here: it is read "
+                                  "as it is.")
 
 
 class Resources(Model):
@@ -409,6 +416,8 @@ def validate_spec(spec: LLMDeploymentSpec) -> None:
     validate_model(spec.model)
     if e.simulate is not None:
         validate_simulate(e.simulate)
+        if e.quantization is not None:
+            raise InvalidSpec("engine.quantization is not modelled by engine.simulate")
     if e.speculative is not None:
         validate_speculative(e.speculative)
     validate_spec_bounds(spec)

@@ -44,6 +44,11 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.attn = attn
+        # This layer's fp8 KV cache scales (vLLM's k_scale / v_scale; float32 values, read only
+        # with --kv-cache-dtype fp8): 1.0 without calibration, as vLLM uses; a checkpoint's
+        # calibrated scales would be set here at load.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self, rope: RopeTables, x: torch.Tensor, kv: KVCache, meta: AttentionMetadata
@@ -55,7 +60,7 @@ class Attention(nn.Module):
             t, self.num_heads + self.num_kv_heads, self.head_dim), rope)  # [T, H + KVH, D]
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [T, H, D], [T, KVH, D]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        o = self.attn(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H, D]
+        o = self.attn(q, k, v, kv[0], kv[1], meta, self.scale, self.k_scale, self.v_scale)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
