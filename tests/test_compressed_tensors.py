@@ -11,7 +11,6 @@ update_config, the calls llm-compressor saves through), from the tiny float mode
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from collections import defaultdict
 from pathlib import Path
@@ -27,11 +26,11 @@ from kvpilot.engine.quant_compressed_tensors_load import FUSED_SOURCES as FUSED,
 from kvpilot.engine.quant_linear import QuantizedLinear
 from kvpilot.engine.quant_pack import dequantize, unpack_along_k
 from kvpilot.engine.weights import iter_safetensors
+# The same prompts (a shared prefix, chunked prefill) and engine settings as quantize-at-load's.
+from test_quantization import ENGINE_ARGS, MAX_NEW, shared_prefix_prompts
 
 pytest.importorskip("compressed_tensors")
 
-MAX_NEW = 12
-ENGINE_ARGS = dict(dtype="float32", enable_prefix_caching=True, max_num_batched_tokens=8, kv_cache_memory="16Mi")
 # Each scheme on a model whose in_features its groups divide (the tiny Llama's down_proj
 # has 688: not a multiple of 128).
 SCHEMES = {
@@ -122,12 +121,7 @@ def checkpoint(request, tiny_model_dir, tiny_qwen2_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = random.Random(0)
-    shared = [rng.randrange(10, 1000) for _ in range(33)]  # two full 16-token blocks and one more
-    return [[rng.randrange(10, 1000) for _ in range(5)],
-            shared + [rng.randrange(10, 1000) for _ in range(4)],
-            [rng.randrange(10, 1000) for _ in range(21)],
-            shared + [rng.randrange(10, 1000) for _ in range(7)]]
+    return shared_prefix_prompts()
 
 
 def _generate(llm: LLM, prompts, logprobs=None):

@@ -30,14 +30,19 @@ METHODS = ("int8", "int4")
 ENGINE_ARGS = dict(dtype="float32", enable_prefix_caching=True, max_num_batched_tokens=8, kv_cache_memory="16Mi")
 
 
-@pytest.fixture(scope="module")
-def prompts():
+def shared_prefix_prompts() -> list[list[int]]:
+    """Four prompts, two sharing a 33-token prefix (prefix-cache hits under chunked prefill)."""
     rng = random.Random(0)
     shared = [rng.randrange(10, 1000) for _ in range(33)]  # two full 16-token blocks and one more
     return [[rng.randrange(10, 1000) for _ in range(5)],
             shared + [rng.randrange(10, 1000) for _ in range(4)],
             [rng.randrange(10, 1000) for _ in range(21)],
             shared + [rng.randrange(10, 1000) for _ in range(7)]]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return shared_prefix_prompts()
 
 
 def _greedy(llm: LLM, prompts) -> list[list[int]]:
