@@ -61,6 +61,7 @@ def cluster(request, tmp_path_factory):
 @pytest.fixture
 def namespace(cluster):
     name = f"t-{uuid.uuid4().hex[:8]}"
+    cluster.restore_images()  # pods of this test start from kvpilot's image
     cluster.create_namespace(name)  # Pod Security `restricted` enforced, as users run it
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)

@@ -120,6 +120,7 @@ def install_operator(cluster: LocalCluster, resync_s: int = 5, values: dict | No
     cluster.create_namespace(OPERATOR_NS)
     kube = cluster.kube()
     before = {p["metadata"]["uid"] for p in operator_pods(kube)}
+    cluster.restore_images()
     cluster.apply(rest)
     if before:  # a reused cluster: restart the operator so it runs this checkout's code
         log("restarting the operator that was already running (so it runs this checkout)")

@@ -97,6 +97,21 @@ def test_node_is_ready_and_reports_the_version(cluster):
     assert version["clientVersion"]["gitVersion"] == cluster.state["version"]
 
 
+def test_an_image_containerd_lost_is_imported_again(cluster):
+    """The kubelet removes unused images when the disk runs short; no registry here can give
+    them back, so the cluster re-imports what it started with (CoreDNS's small image here)."""
+    from localcluster.kubeletnode import COREDNS_IMAGE_REPO, Ctr
+    ctr = Ctr(Path(cluster.state["containerd_bin"]), Path(cluster.state["containerd_socket"]))
+    (ref,) = [r for r, _ in cluster.state["images"] if r.startswith(COREDNS_IMAGE_REPO + ":")]
+    assert KVPILOT_IMAGE in {r for r, _ in cluster.state["images"]}
+    before = ctr.image_digests()[ref]
+    assert cluster.restore_images() == []  # nothing lost, nothing imported
+    ctr.run("images", "rm", ref)
+    assert ref not in ctr.image_digests()
+    assert cluster.restore_images() == [ref]
+    assert ctr.image_digests()[ref] == before
+
+
 def test_deployment_becomes_available(cluster, echo, wait_for):
     kube = cluster.kube()
     wait_for(lambda: deployment_available(kube, echo, 2), timeout=90, what="Deployment echo Available")

@@ -68,6 +68,9 @@ def test_kubelet_config_accepts_cgroup_v1_and_points_at_containerd():
     assert cfg["containerRuntimeEndpoint"] == "unix:///w/node/containerd/containerd.sock"
     assert cfg["clusterDNS"] == ["10.42.254.10"] and cfg["cgroupRoot"] == "/kvpilot-x"
     assert cfg["authentication"]["anonymous"]["enabled"] is False
+    # Disk signals off ("0%" disables a threshold): met, they delete every unused image.
+    assert {cfg["evictionHard"][s] for s in ("nodefs.available", "imagefs.available",
+                                              "nodefs.inodesFree")} == {"0%"}
 
 
 def test_cni_and_kube_proxy_share_the_cluster_cidr():

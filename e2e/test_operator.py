@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shutil
 import subprocess
 import time
 import uuid
@@ -102,7 +103,12 @@ def diagnose(cluster, ns: str) -> str:
     r = cluster.kubectl("get", "llmd,deploy,pods,events", "-n", ns, "-o", "wide", check=False)
     o = cluster.kubectl("logs", "-n", OPERATOR_NS, "-l", "app.kubernetes.io/name=kvpilot-operator", "--prefix",
                         "--tail=40", check=False)
-    return f"{r.stdout}{r.stderr}\n--- operator ---\n{o.stdout}{o.stderr}"
+    # Disk or memory pressure on the node explains pods that cannot start or vanish.
+    n = cluster.kubectl("get", "nodes", "-o", "jsonpath={range .items[*].status.conditions[*]}"
+                        '{.type}={.status} {.message}{"\\n"}{end}', check=False)
+    free = shutil.disk_usage(cluster.workdir).free / 2**30
+    return (f"{r.stdout}{r.stderr}\n--- operator ---\n{o.stdout}{o.stderr}"
+            f"\n--- node conditions ({free:.1f} GiB free on the test disk) ---\n{n.stdout}{n.stderr}")
 
 
 # --- fixtures --------------------------------------------------------------------
@@ -128,6 +134,7 @@ def installed_operator(cluster, wait_for, resync_interval: float = 10, values: d
              or kube.get(f"/api/v1/namespaces/{OPERATOR_NS}")["status"].get("phase") != "Terminating",
              timeout=120, what=f"namespace {OPERATOR_NS} to finish terminating")
     cluster.create_namespace(OPERATOR_NS)
+    cluster.restore_images()
     cluster.apply(rest)
     try:
         wait_for(lambda: operator_ready(kube), timeout=180, what="the operator pod to be Ready")

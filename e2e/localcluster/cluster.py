@@ -216,6 +216,8 @@ class LocalCluster:
         archives = ensure_binary_archives(bins) + self.images
         for ref, archive in archives:
             ctr.import_archive(archive, ref, self._log)
+        self.state["images"] = [[ref, str(archive)] for ref, archive in archives]
+        self._save_state()
         cgroups.create(cgroup_root)
         self._spawn("kubelet", kubelet_argv(bins, files, layout, self.node_name, net.netns),
                     extra_env={"PATH": path})
@@ -426,6 +428,21 @@ class LocalCluster:
         ctr = Ctr(Path(self.state["containerd_bin"]), Path(self.state["containerd_socket"]))
         for ref, archive in images:
             ctr.import_archive(archive, ref, self._log)
+
+    def restore_images(self) -> list[str]:
+        """Re-imports every image the node started with that containerd no longer holds and
+        returns their names. The kubelet deletes unused images when the disk runs short
+        (eviction's node-level reclaim; see nodeconfig.kubelet_config); a shared test disk
+        can, and a later pod would then try to pull kvpilot's image from a registry."""
+        ctr = Ctr(Path(self.state["containerd_bin"]), Path(self.state["containerd_socket"]))
+        held = ctr.image_digests()
+        lost = [(ref, Path(a)) for ref, a in self.state.get("images", []) if ref not in held]
+        if lost:
+            free = shutil.disk_usage(shared_containerd_root()).free / 2**30
+            self._log(f"containerd no longer holds {', '.join(ref for ref, _ in lost)} "
+                      f"({free:.1f} GiB free on its disk): importing again")
+            self.import_images(lost)
+        return [ref for ref, _ in lost]
 
     def pod_log(self, namespace: str, pod: str, container: str) -> Path | None:
         """The output file of a pod's container (newest pod of that name)."""
