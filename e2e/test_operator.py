@@ -327,6 +327,9 @@ def test_deleted_deployment_is_recreated(cluster, operator, demo, wait_for):
     wait_for(recreated, timeout=READY_TIMEOUT, interval=1, what="the Deployment to come back")
 
 
+SIMULATED = {"accelerator": "h100-80gb", "model": "llama-3.1-8b"}
+
+
 def test_invalid_specs_are_refused_with_field_messages(cluster, operator, demo):
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"].update(name="bad", namespace=demo)
@@ -342,7 +345,13 @@ def test_invalid_specs_are_refused_with_field_messages(cluster, operator, demo):
              ({"engine": {"speculative": {"method": "ngram", "numSpeculativeTokens": 17}}},
               "spec.engine.speculative.numSpeculativeTokens"),
              ({"autotune": {"numSpeculativeTokens": {"min": 0, "max": 2}}},
-              "autotune.numSpeculativeTokens needs engine.speculative")]
+              "autotune.numSpeculativeTokens needs engine.speculative"),
+             # the simulated accelerator models float weights and 16-bit caches only
+             ({"engine": {"quantization": "int4", "simulate": SIMULATED}},
+              "engine.quantization is not modelled by engine.simulate"),
+             ({"engine": {"kvCacheDtype": "fp8", "simulate": SIMULATED}},
+              "engine.kvCacheDtype fp8 is not modelled by engine.simulate"),
+             ({"engine": {"kvCacheDtype": "fp16"}}, "spec.engine.kvCacheDtype")]
     for change, field in cases:
         bad = yaml.safe_load(yaml.safe_dump(doc))
         for k, v in change.items():

@@ -17,9 +17,11 @@ from .cpu_decode_kernel import DecodeKernel
 from .kv_cache_dtype import is_fp8, quantize_fp8
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
+def resolve_backend(name: str, device: torch.device, fp8_cache: bool = False) -> str:
+    """auto: triton on CUDA, torch on the CPU, and torch with an fp8 KV cache (only the torch
+    path reads one; an explicit triton with it is refused by the model runner)."""
     if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        return "triton" if device.type == "cuda" and not fp8_cache else "torch"
     return name
 
 

@@ -12,9 +12,9 @@ from .validation import positive_int
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-# int8, int4: quantize-at-load schemes (engine/quantization.py); compressed-tensors: vLLM's name
-# for what a checkpoint in that format gets anyway (engine/quant_compressed_tensors.py).
-QUANTIZATION_CHOICES = ("int8", "int4", "compressed-tensors")
+# int8, int4: quantize-at-load schemes (engine/quantization.py); compressed-tensors, gptq, awq:
+# vLLM's names for what a checkpoint in that format gets anyway (engine/quant_formats.py).
+QUANTIZATION_CHOICES = ("int8", "int4", "compressed-tensors", "gptq", "awq")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 # vLLM's --kv-cache-dtype values: auto = the model's dtype; fp8 = fp8_e4m3 (kv_cache_dtype.py).
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3")
@@ -54,15 +54,16 @@ class EngineConfig:
                 "memory; torch attention backend only for now)", choices=KV_CACHE_DTYPE_CHOICES)
     enable_prefix_caching: bool = setting(True, "share the KV blocks of identical prompt prefixes")
     attention_backend: str = setting("auto", "paged attention kernels (auto: triton on CUDA, torch "
-                                      "on CPU)", choices=ATTENTION_BACKENDS)
+                                      "on CPU and with an fp8 KV cache)", choices=ATTENTION_BACKENDS)
     enforce_eager: bool = setting(
         False, "run every step eagerly: no CUDA graphs (on CUDA, decode steps are otherwise "
                "replayed from graphs captured at start-up per batch-size bucket)")
     quantization: str | None = setting(
         None, "quantize the decoder's linear layers at load (the embedding and LM head stay "
               "float): int8 = W8A16 per-channel symmetric, int4 = W4A16 group-wise with zero "
-              "points (default: float weights; a compressed-tensors W4A16/W8A16 checkpoint is "
-              "read as it is, with or without compressed-tensors here)", choices=QUANTIZATION_CHOICES)
+              "points (default: float weights). A quantized checkpoint (compressed-tensors "
+              "W4A16/W8A16, GPTQ 4/8-bit, AWQ 4-bit GEMM) is read as its config.json says, with "
+              "or without its name here", choices=QUANTIZATION_CHOICES)
     seed: int = setting(0, "torch's global seed, and the base of unseeded requests' seeds")
     cpu_threads: int | None = setting(
         None, "torch's intra-op threads on the CPU (default: torch's, one per core); fewer leave "

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .quant_compressed_tensors import (METHOD as COMPRESSED_TENSORS, CompressedTensorsConfig, decoder_in_features,
-                                       decoder_plan, is_compressed_tensors, parse as parse_compressed_tensors)
+from .quant_checkpoint import CheckpointQuantization, decoder_in_features, decoder_plan, quant_method
+from .quant_formats import PARSERS, READ, is_readable, parse_checkpoint
 
 # HF `architectures` entry -> our model family. Mistral is Llama-shaped.
 ARCHITECTURES = {
@@ -23,16 +23,11 @@ DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 ROPE_TYPES = ("default", "linear", "llama3")  # what models/rotary.py computes
 
 
-def quant_method(raw: dict[str, Any]) -> str:
-    quant = raw.get("quantization_config")
-    return quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-
-
-def unimplemented(raw: dict[str, Any], compressed_tensors: bool = False) -> str | None:
+def unimplemented(raw: dict[str, Any], quantized_checkpoints: bool = False) -> str | None:
     """Why the engine would compute a different network than this config.json describes
     (a field it does not implement), or None. Such a model is refused, never served wrong.
-    compressed_tensors: let compressed-tensors checkpoints through (the engine reads them,
-    after their own checks; the simulator models float weights only)."""
+    quantized_checkpoints: let the formats of quant_formats.py through (the engine reads
+    them, after their own checks; the simulator models float weights only)."""
     window = raw.get("sliding_window")
     # Mistral applies a window whenever one is set; Qwen2 only with use_sliding_window
     # (false unless given, as in transformers' Qwen2Config).
@@ -48,12 +43,12 @@ def unimplemented(raw: dict[str, Any], compressed_tensors: bool = False) -> str 
         return f"hidden_act={act!r} is not implemented (only silu)"
     if raw.get("mlp_bias"):
         return "mlp_bias=true is not implemented"
-    if raw.get("quantization_config") and not (compressed_tensors and is_compressed_tensors(raw)):
-        read = ("compressed-tensors W4A16 and W8A16 checkpoints are, and float32, bfloat16 and float16 "
-                "weights" if compressed_tensors else "only float32, bfloat16 and float16 weights")
-        return (f"quantization_config (quant_method={quant_method(raw)!r}): checkpoints already "
-                f"quantized (GPTQ, AWQ and others) are not read yet ({read}); serve the float "
-                f"checkpoint, with --quantization int8 or int4 to quantize it at load")
+    if raw.get("quantization_config") and not (quantized_checkpoints and is_readable(raw)):
+        read = (f"{READ} checkpoints are, and float32, bfloat16 and float16 weights"
+                if quantized_checkpoints else "only float32, bfloat16 and float16 weights")
+        return (f"quantization_config (quant_method={quant_method(raw)!r}): this quantized format is "
+                f"not read ({read}); serve the float checkpoint, with --quantization int8 or int4 to "
+                f"quantize it at load")
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type not in ROPE_TYPES:
@@ -80,8 +75,8 @@ class ModelConfig:
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    # A compressed-tensors checkpoint's quantization (its decoder linears are integers).
-    compressed_tensors: CompressedTensorsConfig | None = None
+    # A quantized checkpoint's format and schemes (its decoder linears are integers).
+    checkpoint_quantization: CheckpointQuantization | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -92,16 +87,17 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], quantization: str | None = None) -> ModelConfig:
         """`quantization`: the engine's quantize-at-load scheme, which needs float weights, or
-        compressed-tensors (vLLM's name), which needs a checkpoint in that format."""
-        if quantization == COMPRESSED_TENSORS:
-            if not is_compressed_tensors(raw):
+        a checkpoint format (vLLM's names: compressed-tensors, gptq, awq), which needs a
+        checkpoint in that format: the checkpoint's own config wins over the flag."""
+        if quantization in PARSERS:
+            if quant_method(raw) != quantization:
                 has = (f"quantization_config (quant_method={quant_method(raw)!r})"
                        if raw.get("quantization_config") else "no quantization_config")
-                raise ValueError(f"quantization={quantization!r} reads a compressed-tensors checkpoint, "
-                                 f"but config.json has {has}")
+                raise ValueError(f"quantization={quantization!r} names the checkpoint's format, but "
+                                 f"config.json has {has}")
         elif quantization and raw.get("quantization_config"):
-            hint = (f"; or drop quantization: {COMPRESSED_TENSORS} checkpoints are served as they are"
-                    if is_compressed_tensors(raw) else "")
+            hint = (f"; or drop quantization: {quant_method(raw)} checkpoints are served as they are"
+                    if is_readable(raw) else "")
             raise ValueError(
                 f"quantization={quantization!r} quantizes float weights at load, but config.json has "
                 f"quantization_config (quant_method={quant_method(raw)!r}): its weights are already "
@@ -113,7 +109,7 @@ class ModelConfig:
                 f"config.json: architectures={archs!r} is not supported; "
                 f"supported: {sorted(ARCHITECTURES)}"
             )
-        why = unimplemented(raw, compressed_tensors=True)
+        why = unimplemented(raw, quantized_checkpoints=True)
         if why is not None:
             raise ValueError(f"config.json: {why}")
         heads = int(raw["num_attention_heads"])
@@ -148,12 +144,12 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
         )
-        if not is_compressed_tensors(raw):
+        qc = parse_checkpoint(raw)
+        if qc is None:
             return config
-        ct = parse_compressed_tensors(raw["quantization_config"])
         # At start-up, before any weight is read: schemes the engine's layout cannot hold.
-        decoder_plan(ct, config.num_hidden_layers, decoder_in_features(config))
-        return dataclasses.replace(config, compressed_tensors=ct)
+        decoder_plan(qc, config.num_hidden_layers, decoder_in_features(config))
+        return dataclasses.replace(config, checkpoint_quantization=qc)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, quantization: str | None = None) -> ModelConfig:

@@ -21,7 +21,7 @@ from .kv_cache_dtype import FP8, resolve_kv_cache_dtype
 from .model_config import ModelConfig
 from .models.llama import LlamaForCausalLM
 from .outputs import TokenLogprob
-from .quant_compressed_tensors_load import load_compressed_tensors
+from .quant_checkpoint_load import load_quantized_checkpoint
 from .quantization import quantize_decoder, weight_bytes
 from .request import Request
 from .sampler import Sampler, SamplerOutput, SamplingBatch
@@ -49,8 +49,8 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.vocab_size = model_cfg.vocab_size
         self.max_position_embeddings = model_cfg.max_position_embeddings
-        self.backend = resolve_backend(config.attention_backend, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.backend = resolve_backend(config.attention_backend, self.device, self.kv_cache_dtype == FP8)
         if self.kv_cache_dtype == FP8 and self.backend != "torch":
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} runs on the torch attention "
                              f"backend only (the Triton kernels read model-dtype caches); got "
@@ -64,9 +64,9 @@ class ModelRunner:
             model_cfg, self.attention, model_cfg.max_position_embeddings, self.dtype, self.device,
         )
         # Before oneDNN packing: quantized layers are not nn.Linear, so they stay unpacked.
-        if model_cfg.compressed_tensors is not None:
-            self.quantization = load_compressed_tensors(self.model, iter_safetensors(model_dir),
-                                                        model_cfg.compressed_tensors)
+        if model_cfg.checkpoint_quantization is not None:
+            self.quantization = load_quantized_checkpoint(self.model, iter_safetensors(model_dir),
+                                                          model_cfg.checkpoint_quantization)
         else:
             self.model.load_weights(iter_safetensors(model_dir))
             self.quantization = (quantize_decoder(self.model, config.quantization)

@@ -24,44 +24,23 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from .quant_checkpoint import WeightScheme, check_bits, per_word
+
 METHOD = "compressed-tensors"
 FORMAT = "pack-quantized"
 MIXED = "mixed-precision"  # the top-level format when groups name their own
 # compressed_tensors' preset schemes a group may be written as ({"W4A16": ["Linear"]}).
 PRESETS = {"W4A16": (4, 128, True), "W4A16_ASYM": (4, 128, False), "W8A16": (8, 128, True)}
-# quant_pack's BITS and words; not imported from it: config.json is read without torch.
-BITS = (4, 8)
-
-
-def per_word(bits: int) -> int:
-    return 32 // bits
-
-
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-# Each decoder layer's linears as the checkpoint names them.
-DECODER_SOURCES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-
-
-@dataclass(frozen=True)
-class WeightScheme:
-    bits: int
-    group_size: int | None  # None: one group per output channel (strategy channel)
-    symmetric: bool
-    field: str  # quantization_config.config_groups.<name>.weights, for messages
-
-    def group_for(self, in_features: int) -> int:
-        return self.group_size or in_features
-
-    def describe(self) -> str:
-        grouping = "per-channel" if self.group_size is None else f"group {self.group_size}"
-        return f"W{self.bits}A16 {grouping} {'symmetric' if self.symmetric else 'with zero points'}"
+LEAVES = frozenset({"weight_packed", "weight_scale", "weight_shape"})
 
 
 @dataclass(frozen=True)
 class CompressedTensorsConfig:
     groups: tuple[tuple[str, tuple[str, ...], WeightScheme], ...]  # (group name, targets, scheme)
     ignore: tuple[str, ...]
+    method: str = METHOD
+    whole_groups: bool = True  # weight_scale holds in_features // group_size groups
+    float_hint: str = " (add it to quantization_config.ignore)"
 
     def scheme_for(self, name: str, module_class: str) -> WeightScheme | None:
         """The scheme of the checkpoint module `name` (module_class: Linear or Embedding)."""
@@ -69,6 +48,9 @@ class CompressedTensorsConfig:
             return None
         return next((scheme for _, targets, scheme in self.groups
                      if any(_matches(name, module_class, t) for t in targets)), None)
+
+    def leaves(self, scheme: WeightScheme) -> frozenset[str]:
+        return LEAVES if scheme.symmetric else LEAVES | {"weight_zero_point"}
 
     def describe(self) -> str:
         return ", ".join(sorted({scheme.describe() for _, _, scheme in self.groups}))
@@ -149,10 +131,7 @@ def _targets(field: str, targets: Any) -> tuple[str, ...]:
 def _weights(field: str, w: Any) -> WeightScheme:
     if not isinstance(w, dict):
         raise ValueError(f"{field}={w!r}: the group must quantize weights")
-    bits = w.get("num_bits", 8)
-    if bits not in BITS or isinstance(bits, bool):
-        raise ValueError(f"{field}.num_bits={bits!r}: only {' and '.join(map(str, BITS))}-bit "
-                         f"weights are read")
+    bits = check_bits(f"{field}.num_bits", w.get("num_bits", 8))
     kind = str(w.get("type", "int")).lower()
     if kind != "int":
         raise ValueError(f"{field}.type={w.get('type')!r}: only integer weights are read")
@@ -189,50 +168,3 @@ def _weights(field: str, w: Any) -> WeightScheme:
     if not isinstance(symmetric, bool):
         raise ValueError(f"{field}.symmetric={symmetric!r}: must be true or false")
     return WeightScheme(bits, group_size, symmetric, field)
-
-
-def decoder_in_features(cfg) -> dict[str, int]:
-    """in_features of each DECODER_SOURCES path, from a ModelConfig."""
-    hidden, attn = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
-    return {"self_attn.q_proj": hidden, "self_attn.k_proj": hidden, "self_attn.v_proj": hidden,
-            "self_attn.o_proj": attn, "mlp.gate_proj": hidden, "mlp.up_proj": hidden,
-            "mlp.down_proj": cfg.intermediate_size}
-
-
-def decoder_plan(ct: CompressedTensorsConfig, layers: int, in_features: dict[str, int]
-                 ) -> dict[str, WeightScheme | None]:
-    """Each decoder linear's scheme by checkpoint module name (None: stays float), checked
-    against the engine's layout: fused parts (q/k/v, gate/up) quantized alike, groups that
-    divide in_features (`in_features`: by DECODER_SOURCES path). The embedding and the LM
-    head must stay float."""
-    for name, cls in (("lm_head", "Linear"), ("model.embed_tokens", "Embedding")):
-        scheme = ct.scheme_for(name, cls)
-        if scheme is not None:
-            group = scheme.field.removesuffix(".weights")
-            raise ValueError(f"{group}.targets matches {name}, but only the decoder layers' linears "
-                             f"can be quantized (add it to quantization_config.ignore)")
-    plan: dict[str, WeightScheme | None] = {}
-    for i in range(layers):
-        for path in DECODER_SOURCES:
-            name = f"model.layers.{i}.{path}"
-            scheme = plan[name] = ct.scheme_for(name, "Linear")
-            k = in_features[path]
-            if scheme is None:
-                continue
-            if scheme.group_size is not None and k % scheme.group_size:
-                raise ValueError(f"{scheme.field}.group_size={scheme.group_size}: does not divide "
-                                 f"{name}'s in_features {k}")
-            if k % per_word(scheme.bits):
-                raise ValueError(f"{name}: in_features {k} is not a multiple of {per_word(scheme.bits)} "
-                                 f"({scheme.bits}-bit weights pack {per_word(scheme.bits)} to a word)")
-        for parent, fused, parts in (("self_attn", "qkv_proj", FUSED["qkv_proj"]),
-                                     ("mlp", "gate_up_proj", FUSED["gate_up_proj"])):
-            schemes = [plan[f"model.layers.{i}.{parent}.{p}"] for p in parts]
-            k = in_features[f"{parent}.{parts[0]}"]
-            shapes = {None if s is None else (s.bits, s.group_for(k)) for s in schemes}
-            if len(shapes) > 1:
-                how = ", ".join(s.describe() if s else "float" for s in schemes)
-                raise ValueError(f"quantization_config: model.layers.{i}.{parent}.{{{','.join(parts)}}} "
-                                 f"are quantized differently ({how}); the engine runs them as one "
-                                 f"{fused} and needs one bit width and group size")
-    return plan

@@ -23,6 +23,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scales", weight.scales, persistent=False)  # [num_groups, N]
         self.register_buffer("zeros", weight.zeros, persistent=False)  # [num_groups, N]
         self.register_buffer("bias", bias, persistent=False)  # [N] or None
+        self.register_buffer("input_order", weight.input_order, persistent=False)  # [K] int64 or None
 
     @classmethod
     def from_linear(cls, linear: nn.Module, weight: QuantizedWeight) -> QuantizedLinear:
@@ -31,7 +32,8 @@ class QuantizedLinear(nn.Module):
 
     def quantized(self) -> QuantizedWeight:
         return QuantizedWeight(qweight=self.qweight, scales=self.scales, zeros=self.zeros, bits=self.bits,
-                               group_size=self.group_size, in_features=self.in_features)
+                               group_size=self.group_size, in_features=self.in_features,
+                               input_order=self.input_order)
 
     def nbytes(self) -> int:
         """Resident bytes: the integer weight, its scales and zeros, and the bias."""
@@ -48,10 +50,13 @@ class QuantizedLinear(nn.Module):
         interpreter on the CPU). Imported here: the engine imports without Triton."""
         from kvpilot.kernels.quant_gemm import quant_matmul
 
+        if self.input_order is not None:  # act-order: the packed rows' order of input features
+            x = x.index_select(-1, self.input_order)
         out = quant_matmul(x.reshape(-1, self.in_features), self.qweight, self.scales, self.zeros,
                            self.bits, self.group_size, self.bias)  # [M, N]
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
-                f"group_size={self.group_size}, bias={self.bias is not None}")
+                f"group_size={self.group_size}, bias={self.bias is not None}, "
+                f"act_order={self.input_order is not None}")

@@ -9,9 +9,14 @@ For a linear layer y = x @ W.T with W [N, K] (out_features, in_features):
                                         rows k = r * per_word + i at bits [i*bits, (i+1)*bits)
                                         (GPTQ's qweight layout: packed along K)
     scales   [num_groups, N]            the activations' dtype; num_groups = ceil(K / group_size)
-    zeros    [num_groups, N]            same dtype as scales, integer-valued in [0, 2**bits)
+    zeros    [num_groups, N]            same dtype as scales, integer-valued in [0, 2**bits]
+                                        (2**bits only from GPTQ v1's zero - 1 storage)
 
     W.T[k, n] = (q[k, n] - zeros[k // group_size, n]) * scales[k // group_size, n]
+
+    input_order  int64 [K] or None      act-order GPTQ only: packed row r holds input feature
+                                        input_order[r] (rows sorted by group), so
+                                        y = x[..., input_order] @ W.T[input_order]
 
 q is unsigned in [0, 2**bits). Symmetric schemes store zeros = 2**(bits - 1). K must be a
 multiple of per_word (8 for int4, 4 for int8); the last group may be shorter than the others.
@@ -51,13 +56,15 @@ class QuantizedWeight:
     bits: int
     group_size: int
     in_features: int  # K
+    input_order: torch.Tensor | None = None  # [K] int64 (act-order), None: rows in input order
 
     @property
     def out_features(self) -> int:
         return self.qweight.shape[1]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
+        held = (self.qweight, self.scales, self.zeros) + (() if self.input_order is None else (self.input_order,))
+        return sum(t.numel() * t.element_size() for t in held)
 
 
 def pack_along_k(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -86,7 +93,10 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype | None = None) -> torch.Te
     dtype = dtype or w.scales.dtype
     q = unpack_along_k(w.qweight, w.bits).to(dtype)  # [K, N]
     g = group_index(w.in_features, w.group_size, w.qweight.device)  # [K]
-    return ((q - w.zeros.to(dtype)[g]) * w.scales.to(dtype)[g]).t()  # [N, K]
+    rows = (q - w.zeros.to(dtype)[g]) * w.scales.to(dtype)[g]  # [K, N], packed rows
+    if w.input_order is not None:  # back to input order: packed row r is feature input_order[r]
+        rows = torch.empty_like(rows).index_copy_(0, w.input_order, rows)
+    return rows.t()  # [N, K]
 
 
 def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int | None,

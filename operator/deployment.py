@@ -66,6 +66,8 @@ def engine_args(owner: Owner, spec: LLMDeploymentSpec, model_arg: str | None) ->
         args += ["--speculative-config", json.dumps(e.speculative.engine_config(), sort_keys=True)]
     if e.quantization is not None:
         args += ["--quantization", e.quantization]
+    if e.kv_cache_dtype is not None:
+        args += ["--kv-cache-dtype", e.kv_cache_dtype]
     if e.api_key_secret_ref is not None:
         args += ["--api-key", "$(KVPILOT_API_KEY)"]
     return args + list(e.extra_args)

@@ -227,6 +227,8 @@ class EngineSpec(Model):
              "engine.kvCacheMemory and engine.gpuMemoryUtilization are mutually exclusive"),
         rule("!has(self.quantization) || !has(self.simulate)",
              "engine.quantization is not modelled by engine.simulate", ".quantization"),
+        rule("!has(self.kvCacheDtype) || self.kvCacheDtype == 'auto' || !has(self.simulate)",
+             "engine.kvCacheDtype fp8 is not modelled by engine.simulate", ".kvCacheDtype"),
     ]})
     image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=512)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
@@ -254,8 +256,12 @@ class EngineSpec(Model):
     quantization: Optional[Literal["int8", "int4"]] = Field(
         default=None, description="Quantize the decoder's linear layers at load (the engine's "
                                   "--quantization): int8 = W8A16 per channel, int4 = W4A16 in groups of "
-                                  "128. A compressed-tensors checkpoint needs nothing here: it is read "
-                                  "as it is.")
+                                  "128. A quantized checkpoint (compressed-tensors, GPTQ, AWQ) needs "
+                                  "nothing here: it is read as its config.json says.")
+    kv_cache_dtype: Optional[Literal["auto", "fp8", "fp8_e4m3"]] = Field(
+        default=None, description="The KV cache's element type (the engine's --kv-cache-dtype): auto = "
+                                  "the model's dtype; fp8 (= fp8_e4m3) holds 2x the tokens of a 16-bit "
+                                  "cache in the same memory, read by the torch attention path.")
 
 
 class Resources(Model):
@@ -418,6 +424,8 @@ def validate_spec(spec: LLMDeploymentSpec) -> None:
         validate_simulate(e.simulate)
         if e.quantization is not None:
             raise InvalidSpec("engine.quantization is not modelled by engine.simulate")
+        if e.kv_cache_dtype not in (None, "auto"):
+            raise InvalidSpec(f"engine.kvCacheDtype {e.kv_cache_dtype} is not modelled by engine.simulate")
     if e.speculative is not None:
         validate_speculative(e.speculative)
     validate_spec_bounds(spec)

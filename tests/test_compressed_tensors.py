@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.model_config import ModelConfig
 from kvpilot.engine.quant_compressed_tensors import parse
-from kvpilot.engine.quant_compressed_tensors_load import FUSED_SOURCES as FUSED, convert
+from kvpilot.engine.quant_checkpoint_load import FUSED_SOURCES as FUSED, convert
 from kvpilot.engine.quant_linear import QuantizedLinear
 from kvpilot.engine.quant_pack import dequantize, unpack_along_k
 from kvpilot.engine.weights import iter_safetensors
@@ -145,13 +145,14 @@ def test_unpacking_equals_the_librarys_bit_for_bit(checkpoint):
     from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor, unpack_from_int32
 
     _, ct_dir, _ = checkpoint
-    (_, _, scheme), = ModelConfig.from_dir(ct_dir).compressed_tensors.groups
+    qc = ModelConfig.from_dir(ct_dir).checkpoint_quantization
+    (_, _, scheme), = qc.groups
     library_scheme = _library_scheme(ct_dir)
     packed, _ = _modules(ct_dir)
     assert len(packed) == 7 * ModelConfig.from_dir(ct_dir).num_hidden_layers
     offset = 1 << (scheme.bits - 1)
     for module, state in packed.items():
-        ours = convert(module, state, scheme, torch.float32)
+        ours = convert(qc, module, state, scheme, int(state["weight_shape"][1]), torch.float32)
         shape = torch.Size(state["weight_shape"].tolist())  # [N, K]
         q = unpack_from_int32(state["weight_packed"], scheme.bits, shape)  # [N, K] int8, signed
         assert torch.equal(unpack_along_k(ours.qweight, scheme.bits).t() - offset, q.to(torch.int32)), module
@@ -210,10 +211,12 @@ def test_the_triton_gemm_reads_the_converted_layout(checkpoint):
     """The CUDA path's integer GEMM (here in Triton's interpreter) on a converted layer."""
     pytest.importorskip("triton")
     _, ct_dir, _ = checkpoint
-    (_, _, scheme), = ModelConfig.from_dir(ct_dir).compressed_tensors.groups
+    qc = ModelConfig.from_dir(ct_dir).checkpoint_quantization
+    (_, _, scheme), = qc.groups
     packed, _ = _modules(ct_dir)
-    layer = QuantizedLinear(convert("model.layers.0.self_attn.o_proj", packed["model.layers.0.self_attn.o_proj"],
-                                    scheme, torch.float32))
+    o_proj = packed["model.layers.0.self_attn.o_proj"]
+    layer = QuantizedLinear(convert(qc, "model.layers.0.self_attn.o_proj", o_proj, scheme,
+                                    int(o_proj["weight_shape"][1]), torch.float32))
     x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(layer.forward_gemm(x), layer(x), rtol=1e-4, atol=1e-4)
 
@@ -263,9 +266,10 @@ def _weights(q):
 
 BAD_CONFIGS = {
     "method": (lambda q: q.update(quant_method="bitsandbytes"),
-               r"config.json: quantization_config \(quant_method='bitsandbytes'\): checkpoints already "
-               r"quantized .* are not read yet"),
-    "gptq": (lambda q: q.update(quant_method="gptq"), r"quant_method='gptq'.*GPTQ, AWQ"),
+               r"config.json: quantization_config \(quant_method='bitsandbytes'\): this quantized format "
+               r"is not read \(compressed-tensors .*, GPTQ .* and AWQ"),
+    # Relabelled, the config is read as GPTQ's and refused at its first missing field.
+    "gptq": (lambda q: q.update(quant_method="gptq"), r"quantization_config.bits=None: only 4 and 8-bit"),
     "bits": (lambda q: _weights(q).update(num_bits=3),
              r"quantization_config.config_groups.group_0.weights.num_bits=3: only 4 and 8-bit"),
     "group": (lambda q: _weights(q).update(group_size=48),
@@ -283,7 +287,7 @@ BAD_CONFIGS = {
     "dynamic": (lambda q: _weights(q).update(dynamic=True), r"group_0.weights.dynamic=True"),
     "kv-cache": (lambda q: q.update(kv_cache_scheme={"num_bits": 8, "type": "float"}),
                  r"quantization_config.kv_cache_scheme: a quantized KV cache"),
-    "lm-head": (lambda q: q.update(ignore=[]), r"group_0.targets matches lm_head, but only the decoder"),
+    "lm-head": (lambda q: q.update(ignore=[]), r"group_0.weights quantizes lm_head, but only the decoder.*add it to quantization_config.ignore"),
     "fused-parts": (lambda q: q.update(ignore=["lm_head", "re:.*k_proj$"]),
                     r"model.layers.0.self_attn.\{q_proj,k_proj,v_proj\} are quantized differently"),
 }
@@ -311,8 +315,8 @@ def test_the_quantization_flag_must_agree_with_the_checkpoint(w4_dir, tiny_model
     with pytest.raises(ValueError, match=r"quantization='int8' quantizes float weights at load, but config.json "
                                          r"has quantization_config \(quant_method='compressed-tensors'\)"):
         LLM(model=str(w4_dir), quantization="int8", **ENGINE_ARGS)
-    with pytest.raises(ValueError, match=r"quantization='compressed-tensors' reads a compressed-tensors "
-                                         r"checkpoint, but config.json has no quantization_config"):
+    with pytest.raises(ValueError, match=r"quantization='compressed-tensors' names the checkpoint's format, "
+                                         r"but config.json has no quantization_config"):
         LLM(model=str(tiny_model_dir), quantization="compressed-tensors", **ENGINE_ARGS)
 
 

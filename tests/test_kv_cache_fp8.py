@@ -43,6 +43,15 @@ def test_the_flag_takes_vllms_values_and_refuses_others_by_name():
                      simulate={"accelerator": "h200", "model": "llama-3.1-8b"})
 
 
+def test_auto_picks_the_torch_path_for_an_fp8_cache_on_cuda_too():
+    from kvpilot.engine.attention import resolve_backend
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_backend("auto", cuda) == "triton" and resolve_backend("auto", cuda, fp8_cache=True) == "torch"
+    assert resolve_backend("auto", cpu, fp8_cache=True) == "torch"
+    assert resolve_backend("triton", cuda, fp8_cache=True) == "triton"  # then refused, below
+
+
 def test_the_triton_backend_refuses_an_fp8_cache_at_start_up():
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8'.*torch"):
         LLM(**TINY, kv_cache_dtype="fp8", attention_backend="triton")

@@ -22,13 +22,22 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_siz
     ({"mlp_bias": True}, "mlp_bias=true is not implemented"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not implemented"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling type 'dynamic'"),
-    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, r"quantization_config \(quant_method='gptq'\)"),
+    ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
+     r"quantization_config \(quant_method='bitsandbytes'\): this quantized format is not read"),
 ])
 def test_unimplemented_fields_are_refused_by_name(extra, message):
     raw = {**LLAMA, **extra}
     with pytest.raises(ValueError, match="config.json: " + message):
         ModelConfig.from_dict(raw)
     with pytest.raises(ValueError, match="simulate_model: m: config.json: " + message):
+        ModelShape.from_config(raw, "m")
+
+
+def test_quantized_checkpoints_the_engine_reads_the_simulator_refuses():
+    raw = {**LLAMA, "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}}
+    assert ModelConfig.from_dict(raw).checkpoint_quantization.method == "gptq"
+    with pytest.raises(ValueError, match=r"simulate_model: m: config.json: quantization_config "
+                                         r"\(quant_method='gptq'\): .*only float32, bfloat16 and float16"):
         ModelShape.from_config(raw, "m")
 
 

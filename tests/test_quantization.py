@@ -172,7 +172,7 @@ def test_quantized_linear_gemm_path_equals_the_cpu_path(method):
 
 
 def test_quantization_choices_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"quantization must be one of \('int8', 'int4', 'compressed-tensors'\).*'int3'"):
+    with pytest.raises(ValueError, match=r"quantization must be one of \('int8', 'int4', 'compressed-tensors', 'gptq', 'awq'\).*'int3'"):
         EngineConfig(model="builtin:tiny", quantization="int3")
     import argparse
 
@@ -186,13 +186,13 @@ def test_quantization_choices_are_refused_by_name():
 
 
 def test_a_quantized_checkpoint_is_refused_with_or_without_the_flag(tiny_model_dir, tmp_path):
-    folder = tmp_path / "gptq"
+    folder = tmp_path / "bnb"
     shutil.copytree(tiny_model_dir, folder)
     raw = json.loads((folder / "config.json").read_text())
-    raw["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    raw["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (folder / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match=r"quantization='int8' .*quantization_config \(quant_method='gptq'\)"):
+    with pytest.raises(ValueError, match=r"quantization='int8' .*quantization_config \(quant_method='bitsandbytes'\)"):
         LLM(model=str(folder), quantization="int8")
-    with pytest.raises(ValueError, match=r"config.json: quantization_config \(quant_method='gptq'\): "
-                                         r"checkpoints already quantized .*--quantization int8 or int4"):
+    with pytest.raises(ValueError, match=r"config.json: quantization_config \(quant_method='bitsandbytes'\): "
+                                         r"this quantized format is not read .*--quantization int8 or int4"):
         LLM(model=str(folder))

@@ -1,6 +1,7 @@
-"""spec.engine.quantization: the engine's --quantization on the pods, refused by name when
-bad or when the spec is simulated (the simulated accelerator models float weights only), in
-the CRD with its CEL rule; and the engine's own refusal of --simulate with --quantization."""
+"""spec.engine.quantization and spec.engine.kvCacheDtype: the engine's --quantization and
+--kv-cache-dtype on the pods, refused by name when bad or when the spec is simulated (the
+simulated accelerator models float weights and caches only), in the CRD with their CEL
+rules; and the engine's own refusal of --simulate with either."""
 from __future__ import annotations
 
 import argparse
@@ -64,3 +65,27 @@ def test_the_crd_carries_the_field_and_the_cel_rule():
 def test_the_engine_refuses_simulate_with_quantization():
     with pytest.raises(ValueError, match="quantization='int4' is not modelled by --simulate"):
         EngineConfig(simulate={"accelerator": "h100-80gb", "model": "llama-3.1-8b"}, quantization="int4")
+
+
+@pytest.mark.parametrize("dtype", ["auto", "fp8", "fp8_e4m3"])
+def test_the_pods_get_the_kv_cache_dtype_which_the_engine_parses(dtype):
+    a = args({"kvCacheDtype": dtype})
+    assert a[a.index("--kv-cache-dtype") + 1] == dtype
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    parsed = parser.parse_known_args([x for x in a if not x.startswith("$(")])[0]
+    assert engine_config_from_args(parsed).kv_cache_dtype == dtype
+    assert "--kv-cache-dtype" not in args({})
+
+
+def test_kv_cache_dtype_is_checked_by_name_and_against_simulate():
+    with pytest.raises(InvalidSpec, match=r"spec\.engine\.kvCacheDtype"):
+        spec({"kvCacheDtype": "int8"})
+    with pytest.raises(InvalidSpec, match="engine.kvCacheDtype fp8 is not modelled by engine.simulate"):
+        spec({"simulate": H100, "kvCacheDtype": "fp8"})
+    assert spec({"simulate": H100, "kvCacheDtype": "auto"}).engine.kv_cache_dtype == "auto"
+    engine = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"]["engine"]
+    assert engine["properties"]["kvCacheDtype"]["enum"] == ["auto", "fp8", "fp8_e4m3"]
+    (rule,) = [r for r in engine["x-kubernetes-validations"] if r.get("fieldPath") == ".kvCacheDtype"]
+    assert rule["rule"] == "!has(self.kvCacheDtype) || self.kvCacheDtype == 'auto' || !has(self.simulate)"

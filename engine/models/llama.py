@@ -181,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             qkv = {"q_proj": (0, attn.q_size), "k_proj": (attn.q_size, attn.kv_size),
                    "v_proj": (attn.q_size + attn.kv_size, attn.kv_size)}
-            # None: a quantized checkpoint's layer, loaded by quant_compressed_tensors_load.py.
+            # None: a quantized checkpoint's layer, loaded by quant_checkpoint_load.py.
             if attn.qkv_proj is not None:
                 for part in ("weight", "bias") if attn.qkv_proj.bias is not None else ("weight",):
                     shards[f"model.layers.{i}.self_attn.qkv_proj.{part}"] = (qkv, part)
