@@ -89,11 +89,19 @@ def group_index(in_features: int, group_size: int, device: torch.device | None =
 
 
 def dequantize(w: QuantizedWeight, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The float weight [N, K] (nn.Linear's layout): the reference every path is held to."""
+    """The float weight [N, K] (nn.Linear's layout; a transposed view of [K, N] rows, which
+    F.linear takes as it is: a contiguous copy costs more than the GEMM at small batches):
+    the reference every path is held to."""
     dtype = dtype or w.scales.dtype
     q = unpack_along_k(w.qweight, w.bits).to(dtype)  # [K, N]
-    g = group_index(w.in_features, w.group_size, w.qweight.device)  # [K]
-    rows = (q - w.zeros.to(dtype)[g]) * w.scales.to(dtype)[g]  # [K, N], packed rows
+    k, n = q.shape
+    zeros, scales = w.zeros.to(dtype), w.scales.to(dtype)  # [G, N]
+    if k % w.group_size == 0:  # whole groups: broadcast, not gather (the same products)
+        grouped = q.view(k // w.group_size, w.group_size, n)  # [G, group_size, N]
+        rows = ((grouped - zeros[:, None, :]) * scales[:, None, :]).view(k, n)  # [K, N], packed rows
+    else:
+        g = group_index(k, w.group_size, w.qweight.device)  # [K]
+        rows = (q - zeros[g]) * scales[g]  # [K, N], packed rows
     if w.input_order is not None:  # back to input order: packed row r is feature input_order[r]
         rows = torch.empty_like(rows).index_copy_(0, w.input_order, rows)
     return rows.t()  # [N, K]

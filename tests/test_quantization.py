@@ -20,7 +20,7 @@ from kvpilot.engine.engine_args import add_engine_args, engine_config_from_args
 from kvpilot.engine.model_config import ModelConfig
 from kvpilot.engine.models.llama import LlamaForCausalLM
 from kvpilot.engine.quant_linear import QuantizedLinear
-from kvpilot.engine.quant_pack import dequantize
+from kvpilot.engine.quant_pack import dequantize, quantize_rtn
 from kvpilot.engine.quantization import DECODER_LINEARS, SCHEMES, quantize_decoder, quantize_linear, weight_bytes
 from kvpilot.engine.weights import iter_safetensors
 
@@ -196,3 +196,23 @@ def test_a_quantized_checkpoint_is_refused_with_or_without_the_flag(tiny_model_d
     with pytest.raises(ValueError, match=r"config.json: quantization_config \(quant_method='bitsandbytes'\): "
                                          r"this quantized format is not read .*--quantization int8 or int4"):
         LLM(model=str(folder))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_per_channel_is_held_as_int8_on_the_cpu(dtype):
+    """Per-channel symmetric int8 on the CPU is held as int8 [K, N] (the packed layout's
+    bytes) and dequantized with one multiply: the same outputs as the packed path, bit for
+    bit, and the packed layout comes back bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    linear = nn.Linear(256, 96, bias=True).to(dtype)
+    packed = quantize_rtn(linear.weight.detach(), 8, None, symmetric=True)
+    layer = quantize_linear(linear, "int8")
+    assert layer.int8_weight is not None and layer.qweight is None
+    assert layer.int8_weight.dtype == torch.int8 and tuple(layer.int8_weight.shape) == (256, 96)
+    assert layer.nbytes() == QuantizedLinear(packed, linear.bias.detach()).nbytes()
+    assert torch.equal(layer.quantized().qweight, packed.qweight)
+    x = torch.randn(7, 256, generator=gen).to(dtype)
+    weight = dequantize(packed, dtype)  # [N, K]
+    assert torch.equal((layer.int8_weight.to(dtype) * layer.scales[0].to(dtype)).t(), weight)
+    assert torch.equal(layer(x), F.linear(x, weight, layer.bias))
+    assert quantize_linear(linear, "int4").int8_weight is None  # zero points and groups: unpacked

@@ -71,6 +71,13 @@ main() {
     # A certificate bundle for pip: the host's, which may hold a proxy's CA.
     cert=${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}
     [[ -s $cert ]] && secret=(--secret "id=pip-cert,src=$cert")
+    # A build writes ~7 GB of layers before the old ones are pruned, and the archive ~3.3 GB;
+    # a full disk fails deep inside buildah ("read/write on closed pipe"), so say it first.
+    local free_gib
+    free_gib=$(df -P --block-size=1G /var/lib/containers "$cache" 2>/dev/null | awk 'NR > 1 {print $4}' | sort -n | head -n1 || true)
+    if [[ -n $free_gib ]] && ((free_gib < 12)); then
+        log "warning: only ${free_gib} GiB free for buildah's storage or $cache; the build needs ~11 GiB"
+    fi
     log "building $name (inputs $hash, base $base, storage $driver); the first build takes minutes"
     start=$SECONDS
     $BUILDAH bud --layers --pull=never -f "$repo/Containerfile" \
