@@ -16,7 +16,8 @@
 # Builds on one machine take turns (a lock), so concurrent callers share one build.
 # Settings (environment): KVPILOT_IMAGE_COMPRESSION=gzip|zstd (default gzip, see below),
 # KVPILOT_IMAGE_KEEP=N archives kept (default 1: each is ~3.3 GB), KVPILOT_BUILDAH_DRIVER=overlay|vfs
-# (default: overlay when the kernel allows it).
+# (default: overlay when the kernel allows it), KVPILOT_IMAGE_MIN_FREE_GIB (default 30: below
+# it, earlier builds' images and archives are removed before building; see make_room).
 set -euo pipefail
 
 # Layer compression, measured on this image (6.3 GB unpacked, 2 cores): gzip 86-143 s for a
@@ -71,13 +72,7 @@ main() {
     # A certificate bundle for pip: the host's, which may hold a proxy's CA.
     cert=${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}
     [[ -s $cert ]] && secret=(--secret "id=pip-cert,src=$cert")
-    # A build writes ~7 GB of layers before the old ones are pruned, and the archive ~3.3 GB;
-    # a full disk fails deep inside buildah ("read/write on closed pipe"), so say it first.
-    local free_gib
-    free_gib=$(df -P --block-size=1G /var/lib/containers "$cache" 2>/dev/null | awk 'NR > 1 {print $4}' | sort -n | head -n1 || true)
-    if [[ -n $free_gib ]] && ((free_gib < 12)); then
-        log "warning: only ${free_gib} GiB free for buildah's storage or $cache; the build needs ~11 GiB"
-    fi
+    make_room "$cache" "$version"
     log "building $name (inputs $hash, base $base, storage $driver); the first build takes minutes"
     start=$SECONDS
     $BUILDAH bud --layers --pull=never -f "$repo/Containerfile" \
@@ -100,6 +95,28 @@ main() {
 
     prune "$cache" "$keep" "$buildlog"
     echo "$archive"
+}
+
+# A build that reinstalls the Python packages writes a ~6 GB layer and then a copy of it as
+# it commits (seen failing at 23 GiB free, inside buildah: "read/write on closed pipe"),
+# and the archive ~3.3 GB. Below MIN_FREE_GIB, the earlier builds' images (their layers are
+# the build cache: the next build is slower) and archives go first; the base stays.
+MIN_FREE_GIB=${KVPILOT_IMAGE_MIN_FREE_GIB:-30}
+make_room() {
+    local cache=$1 version=$2 free
+    free=$(free_gib "$cache")
+    [[ -n $free ]] && ((free < MIN_FREE_GIB)) || return 0
+    log "only ${free} GiB free (a build may need ${MIN_FREE_GIB}): removing earlier builds' images and archives"
+    rm -f "$cache"/kvpilot-engine-*.oci.tar
+    $BUILDAH rmi --force "localhost/kvpilot/engine:$version" >/dev/null 2>&1 || true
+    $BUILDAH rmi --prune >/dev/null 2>&1 || true  # the dangling layers of earlier builds
+    free=$(free_gib "$cache")
+    log "now ${free} GiB free"
+    [[ -n $free ]] && ((free >= MIN_FREE_GIB)) || log "warning: the build may run out of disk"
+}
+
+free_gib() {
+    df -P --block-size=1G /var/lib/containers "$1" 2>/dev/null | awk 'NR > 1 {print $4}' | sort -n | head -n1 || true
 }
 
 # Debian's packages: buildah builds, mmdebstrap makes the base; umoci and runc unpack and
