@@ -17,11 +17,10 @@ from .cpu_decode_kernel import DecodeKernel
 from .kv_cache_dtype import is_fp8, quantize_fp8
 
 
-def resolve_backend(name: str, device: torch.device, fp8_cache: bool = False) -> str:
-    """auto: triton on CUDA, torch on the CPU, and torch with an fp8 KV cache (only the torch
-    path reads one; an explicit triton with it is refused by the model runner)."""
+def resolve_backend(name: str, device: torch.device) -> str:
+    """auto: triton on CUDA, torch on the CPU (both read a model-dtype or an fp8 cache)."""
     if name == "auto":
-        return "triton" if device.type == "cuda" and not fp8_cache else "torch"
+        return "triton" if device.type == "cuda" else "torch"
     return name
 
 
@@ -67,18 +66,15 @@ class PagedAttention:
                 raise RuntimeError("the torch attention backend needs AttentionMetadata.torch_plan")
             return self._torch(query, key, value, k_cache, v_cache, meta.torch_plan, scale,
                                k_scale, v_scale)
-        if is_fp8(k_cache):  # ModelRunner refuses this at start-up; a direct caller gets it here
-            raise ValueError("kv_cache_dtype fp8: the Triton kernels read model-dtype caches only; "
-                             "use the torch attention backend")
-        self._write(key, value, k_cache, v_cache, meta.slot_mapping)
+        self._write(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if meta.is_decode_only:
             return self._decode(
                 query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                max_seq_len=meta.max_seq_len,
+                max_seq_len=meta.max_seq_len, k_scale=k_scale, v_scale=v_scale,
             )
         return self._prefill(
             query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-            meta.query_start_loc, meta.max_query_len, scale,
+            meta.query_start_loc, meta.max_query_len, scale, k_scale=k_scale, v_scale=v_scale,
         )
 
 

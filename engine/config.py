@@ -51,10 +51,10 @@ class EngineConfig:
     kv_cache_dtype: str = setting(
         "auto", "the KV cache's storage dtype (auto: the model's; fp8 = fp8_e4m3: one byte per "
                 "element with per-layer K/V scales, twice a 16-bit cache's tokens in the same "
-                "memory; torch attention backend only for now)", choices=KV_CACHE_DTYPE_CHOICES)
+                "memory)", choices=KV_CACHE_DTYPE_CHOICES)
     enable_prefix_caching: bool = setting(True, "share the KV blocks of identical prompt prefixes")
     attention_backend: str = setting("auto", "paged attention kernels (auto: triton on CUDA, torch "
-                                      "on CPU and with an fp8 KV cache)", choices=ATTENTION_BACKENDS)
+                                      "on CPU)", choices=ATTENTION_BACKENDS)
     enforce_eager: bool = setting(
         False, "run every step eagerly: no CUDA graphs (on CUDA, decode steps are otherwise "
                "replayed from graphs captured at start-up per batch-size bucket)")

@@ -29,6 +29,7 @@ class Executor(Protocol):
     vocab_size: int  # token ids a prompt may hold
     max_position_embeddings: int
     kv_bytes_per_block: int
+    kv_cache_element_bytes: int  # one K or V element of the paged cache (1 for fp8)
     weight_bytes: int
 
     def describe(self) -> str:

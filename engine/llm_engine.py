@@ -88,6 +88,10 @@ class LLMEngine:
     def weight_bytes(self) -> int:
         return self.runner.weight_bytes
 
+    @property
+    def kv_cache_element_bytes(self) -> int:
+        return self.runner.kv_cache_element_bytes
+
     # --- limits that can change while serving ----------------------------------------
     @property
     def max_model_len(self) -> int:

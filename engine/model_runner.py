@@ -50,11 +50,7 @@ class ModelRunner:
         self.vocab_size = model_cfg.vocab_size
         self.max_position_embeddings = model_cfg.max_position_embeddings
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        self.backend = resolve_backend(config.attention_backend, self.device, self.kv_cache_dtype == FP8)
-        if self.kv_cache_dtype == FP8 and self.backend != "torch":
-            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} runs on the torch attention "
-                             f"backend only (the Triton kernels read model-dtype caches); got "
-                             f"attention_backend={self.backend!r}: add --attention-backend torch")
+        self.backend = resolve_backend(config.attention_backend, self.device)
         self.attention = PagedAttention(self.backend)
         # The C decode kernel reads float32 caches only: an fp8 cache decodes through SDPA.
         if (self.backend == "torch" and self.device.type == "cpu" and self.dtype == torch.float32
@@ -140,9 +136,13 @@ class ModelRunner:
         return self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
 
     @property
+    def kv_cache_element_bytes(self) -> int:
+        return self.kv_cache_dtype.itemsize
+
+    @property
     def kv_bytes_per_block(self) -> int:
         cfg = self.model_cfg
-        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
+        elem = self.kv_cache_element_bytes
         target = 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
         return target + (self.draft.kv_bytes_per_block if self.draft is not None else 0)
 

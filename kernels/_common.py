@@ -38,12 +38,23 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
-def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> None:
-    """Validate a layer's paged K/V caches: [num_blocks, block_size, num_kv_heads, head_dim]."""
+# An fp8 KV cache (--kv-cache-dtype fp8): e4m3 elements with a per-layer K and V scale. The
+# attention kernels upcast what they load to the query's dtype (e4m3 values are exact in
+# fp16, bf16 and fp32; the scale multiplies in fp32 first), so their tolerances against the
+# reference on the dequantized cache are the query dtype's KERNEL_RTOL.
+FP8_CACHE_DTYPE = torch.float8_e4m3fn
+
+
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype, *,
+                fp8_ok: bool = False) -> None:
+    """Validate a layer's paged K/V caches: [num_blocks, block_size, num_kv_heads, head_dim],
+    in `dtype` (or, with `fp8_ok`, both in FP8_CACHE_DTYPE)."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
+    if fp8_ok and k_cache.dtype == FP8_CACHE_DTYPE and v_cache.dtype == FP8_CACHE_DTYPE:
+        return
     if k_cache.dtype != dtype or v_cache.dtype != dtype:
         raise ValueError(f"cache dtype {k_cache.dtype}/{v_cache.dtype} does not match {dtype}")

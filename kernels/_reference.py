@@ -18,6 +18,8 @@ def gather_kv(
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
     blocks = block_table_row[:num_blocks].long()
+    if cache.dtype == torch.float8_e4m3fn:  # indexing has no float8 kernel on the CPU: gather bytes
+        return gather_kv(cache.view(torch.uint8), block_table_row, seq_len).view(cache.dtype)
     return cache[blocks].reshape(num_blocks * block_size, *cache.shape[2:])[:seq_len]
 
 
@@ -30,12 +32,16 @@ def paged_attention_torch(
     query_start_loc: list[int],
     scale: float,
     compute_dtype: torch.dtype = torch.float32,
+    k_scale: float = 1.0,  # an fp8 cache's scales: K = stored x k_scale (unused otherwise)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query's dtype
     """Causal attention of each request's last ``query_len`` tokens over its cache.
 
     Request i's query rows are ``query_start_loc[i]:query_start_loc[i + 1]``; rows
-    that belong to no request (if any) are returned as zeros.
+    that belong to no request (if any) are returned as zeros. An fp8 cache is read as
+    its stored values times its scale, in ``compute_dtype``.
     """
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -47,6 +53,8 @@ def paged_attention_torch(
             continue
         k = gather_kv(k_cache, block_tables[i], seq_len).to(compute_dtype)  # [seq_len, num_kv_heads, head_dim]
         v = gather_kv(v_cache, block_tables[i], seq_len).to(compute_dtype)  # [seq_len, num_kv_heads, head_dim]
+        if fp8:
+            k, v = k * k_scale, v * v_scale
         q = query[start : start + query_len].to(compute_dtype)  # [query_len, num_heads, head_dim]
         # [kv_heads, group, query_len, head_dim]
         q = q.view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)

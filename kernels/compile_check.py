@@ -28,7 +28,8 @@ import tempfile
 import time
 from typing import Any, Iterator
 
-# Variants the engine can hit: (kernel, head_dim, block_size, heads, kv_heads, dtype, num_splits)
+# Variants the engine can hit: (kernel, head_dim, block_size, heads, kv_heads, dtype, num_splits
+# [, cache dtype: "fp8" for --kv-cache-dtype fp8; else the query's dtype])
 VARIANTS = [
     ("decode", 128, 16, 32, 8, "bfloat16", 1),
     ("decode", 128, 16, 32, 8, "bfloat16", 4),
@@ -42,6 +43,11 @@ VARIANTS = [
     ("prefill", 32, 16, 8, 4, "float32", None),
     ("write", 128, 16, 8, 8, "bfloat16", None),
     ("write", 80, 32, 4, 4, "float32", None),
+    ("decode", 128, 16, 32, 8, "bfloat16", 1, "fp8"),
+    ("decode", 128, 16, 32, 8, "float16", 4, "fp8"),
+    ("prefill", 128, 16, 32, 8, "bfloat16", None, "fp8"),
+    ("prefill", 64, 16, 8, 1, "float16", None, "fp8"),
+    ("write", 128, 16, 8, 8, "bfloat16", None, "fp8"),
 ]
 
 # Integer-weight GEMM variants (kernels/quant_gemm.py): (M, K, N, bits, group_size, dtype,
@@ -195,10 +201,10 @@ def run(arch: int = 90, variants: list[tuple] | None = None,
     from kvpilot.kernels.kv_cache_write import write_kv_cache
     from kvpilot.kernels.paged_decode_attention import paged_decode_attention
     from kvpilot.kernels.paged_prefill_attention import paged_prefill_attention
-    from kvpilot.kernels.testing import make_paged_case
+    from kvpilot.kernels.testing import fp8_case, make_paged_case
 
     rows = []
-    for kernel, head_dim, block_size, heads, kv_heads, dtype_name, splits in variants or VARIANTS:
+    for kernel, head_dim, block_size, heads, kv_heads, dtype_name, splits, *cache in variants or VARIANTS:
         if kernel not in kernels:
             continue
         dtype = getattr(torch, dtype_name)
@@ -206,8 +212,12 @@ def run(arch: int = 90, variants: list[tuple] | None = None,
         q_lens = [1, 1] if kernel == "decode" else [block_size + 1, 5]
         case = make_paged_case(lens, q_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                                block_size=block_size, dtype=dtype)
+        cache_dtype = cache[0] if cache else dtype_name
+        if cache_dtype == "fp8":
+            case = fp8_case(case, 0.5, 0.5)[0]
         variant = {"variant": kernel, "head_dim": head_dim, "block_size": block_size,
-                   "group": heads // kv_heads, "dtype": dtype_name, "num_splits": splits}
+                   "group": heads // kv_heads, "dtype": dtype_name, "num_splits": splits,
+                   "cache_dtype": cache_dtype}
         try:
             with compile_only(arch) as records:
                 if kernel == "decode":
@@ -251,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['dtype']:8s} bias={r['bias']} split_k={r['split_k']}: {detail}")
                 continue
             print(f"{status} {r['variant']:7s} d={r['head_dim']:3d} bs={r['block_size']:2d} g={r['group']} "
-                  f"{r['dtype']:8s} splits={r['num_splits']}: {detail}")
+                  f"{r['dtype']:8s} cache={r['cache_dtype']:8s} splits={r['num_splits']}: {detail}")
     return 0 if all(r["ok"] for r in rows) else 1
 
 

@@ -15,9 +15,10 @@ On a CUDA device it runs, in this order, within ``--budget-s`` seconds:
    read / median time (``triton.testing.do_bench``), as a fraction of the copy
    bandwidth, beside ``F.scaled_dot_product_attention`` on a contiguous cache;
    plus one long-prompt prefill beside SDPA's causal attention;
-4. the engine's decode tokens/s at batch 1 and 64 with CUDA graphs on and off, on a
-   random model with Llama-3-8B's layer shapes (``--graphs-layers``, default 8 of 32),
-   beside the roofline weight bytes / copy bandwidth (gpu_check_graphs.py);
+4. the engine's decode tokens/s at batch 1, 64 and 256 on a random model with
+   Llama-3-8B's layer shapes (``--graphs-layers``, default 8 of 32): CUDA graphs on, int8
+   and int4 weights, an fp8 KV cache, graphs off; each beside the roofline weight bytes /
+   copy bandwidth and the first (gpu_check_graphs.py);
 5. batch-1 decode tokens/s without speculation, with n-gram drafts and with a random
    Llama-3.2-1B-shaped draft model, on that target and a repeated prompt
    (gpu_check_spec.py);
@@ -272,12 +273,13 @@ def format_table(results: dict[str, Any]) -> str:
                  + (f" ({skipped} skipped: out of time)" if skipped else ""))
     for kernel in ("write", "decode", "prefill"):
         mine = [r for r in rows if r.get("kernel") == kernel and "kernel_vs_ref" in r]
-        for dtype in sorted({r["dtype"] for r in mine}):
-            errs = [r["kernel_vs_ref"] for r in mine if r["dtype"] == dtype]
-            tol = next(r["kernel_tol"] for r in mine if r["dtype"] == dtype)
-            lines.append(f"  {kernel:8s} {dtype:9s} worst rel err {max(errs):.1e} (tol {tol:.0e})")
+        for dtype, cache in sorted({(r["dtype"], r.get("cache_dtype", "")) for r in mine}):
+            same = [r for r in mine if (r["dtype"], r.get("cache_dtype", "")) == (dtype, cache)]
+            errs = [r["kernel_vs_ref"] for r in same]
+            label = f"{dtype}/{cache}" if cache else dtype
+            lines.append(f"  {kernel:8s} {label:13s} worst rel err {max(errs):.1e} (tol {same[0]['kernel_tol']:.0e})")
     for r in bad[:5]:
-        lines.append(f"  FAILED {r.get('kernel')} {r.get('dtype')} hd={r.get('head_dim')} "
+        lines.append(f"  FAILED {r.get('kernel')} {r.get('dtype')} {r.get('cache_dtype', '')} hd={r.get('head_dim')} "
                      f"bs={r.get('block_size')} g={r.get('group')}: {r.get('error') or r.get('kernel_vs_ref')}")
     copy = results.get("copy_bandwidth")
     if copy:

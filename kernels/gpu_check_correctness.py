@@ -1,6 +1,8 @@
 """gpu_check's first part: every kernel against its torch reference (and the reference
 against float64 dense attention) over head dims, block sizes, GQA ratios and dtypes,
-with NaN-poisoned cache tails and outputs. Small shapes under the interpreter on CPU."""
+with NaN-poisoned cache tails and outputs, and over an fp8 cache (e4m3 with non-unit K/V
+scales; the dense oracle reads its dequantized twin). Small shapes under the interpreter
+on CPU."""
 
 from __future__ import annotations
 
@@ -44,6 +46,16 @@ def _correctness_cases(cpu: bool) -> list[dict[str, Any]]:
             **shape,
         })
         cases.append({"kernel": "write", "seq_lens": [bs + 3, long_len], "query_lens": [bs + 3, 1], **shape})
+    # An fp8 cache (--kv-cache-dtype fp8) under 16-bit queries: the GPU's own e4m3 conversions.
+    fp8_spec = [(64, 16, 4, 1, f16)] if cpu else [(128, 16, 32, 8, bf16), (128, 16, 32, 8, f16), (64, 32, 8, 1, bf16)]
+    for head_dim, bs, heads, kv_heads, dtype in fp8_spec:
+        shape = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "block_size": bs,
+                 "dtype": dtype, "kv_scales": (0.37, 1.9)}
+        cases.append({"kernel": "decode", "seq_lens": [1, bs + 1, long_len], "num_splits": None, **shape})
+        cases.append({"kernel": "decode", "seq_lens": [bs - 1, long_len], "num_splits": 4, **shape})
+        cases.append({"kernel": "prefill", "seq_lens": [1, 2 * bs + 5, long_len],
+                      "query_lens": [1, bs + 2, min(long_len, 2 * bs + 7)], **shape})
+        cases.append({"kernel": "write", "seq_lens": [bs + 3, long_len], "query_lens": [bs + 3, 1], **shape})
     return cases
 
 
@@ -54,7 +66,7 @@ def _run_correctness_case(case: dict[str, Any], device: str) -> dict[str, Any]:
     from kvpilot.kernels.kv_cache_write import write_kv_cache, write_kv_cache_reference
     from kvpilot.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
     from kvpilot.kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
-    from kvpilot.kernels.testing import dense_attention_float64, make_paged_case, rel_error
+    from kvpilot.kernels.testing import dense_attention_float64, fp8_case, make_paged_case, rel_error
 
     kernel, dtype = case["kernel"], case["dtype"]
     seq_lens = case["seq_lens"]
@@ -70,6 +82,20 @@ def _run_correctness_case(case: dict[str, Any], device: str) -> dict[str, Any]:
     }
     p = make_paged_case(seq_lens, query_lens, dtype=dtype, device=device, seed=len(str(case)),
                         write_new=kernel != "write", **shape)
+    k_scale, v_scale = case.get("kv_scales", (1.0, 1.0))
+    twin = p
+    if "kv_scales" in case:
+        row["cache_dtype"] = "fp8"
+        p, twin = fp8_case(p, k_scale, v_scale)
+    if kernel == "write" and "kv_scales" in case:
+        kk, vk = p.k_cache.clone(), p.v_cache.clone()
+        write_kv_cache(p.key, p.value, kk, vk, p.slot_mapping, k_scale, v_scale)
+        kr, vr = p.k_cache.clone(), p.v_cache.clone()
+        write_kv_cache_reference(p.key, p.value, kr, vr, p.slot_mapping, k_scale, v_scale)
+        ok = torch.equal(kk.view(torch.uint8), kr.view(torch.uint8)) and torch.equal(vk.view(torch.uint8),
+                                                                                       vr.view(torch.uint8))
+        row.update(kernel_vs_ref=0.0 if ok else float("inf"), ref_vs_dense=0.0, kernel_tol=0.0, ref_tol=0.0, ok=ok)
+        return row
     if kernel == "write":
         full = make_paged_case(seq_lens, query_lens, dtype=dtype, device=device, seed=len(str(case)), **shape)
         kk, vk = p.k_cache.clone(), p.v_cache.clone()
@@ -86,14 +112,14 @@ def _run_correctness_case(case: dict[str, Any], device: str) -> dict[str, Any]:
     out = torch.full_like(p.query, float("nan"))
     if kernel == "decode":
         args = (p.query, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, p.scale)
-        paged_decode_attention(*args, case["num_splits"], out=out)
-        ref = paged_decode_attention_reference(*args)
+        paged_decode_attention(*args, case["num_splits"], out=out, k_scale=k_scale, v_scale=v_scale)
+        ref = paged_decode_attention_reference(*args, k_scale=k_scale, v_scale=v_scale)
         row["num_splits"] = case["num_splits"]
     else:
         args = (p.query, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, p.query_start_loc, p.max_query_len, p.scale)
-        paged_prefill_attention(*args, out=out)
-        ref = paged_prefill_attention_reference(*args)
-    dense = dense_attention_float64(p)
+        paged_prefill_attention(*args, out=out, k_scale=k_scale, v_scale=v_scale)
+        ref = paged_prefill_attention_reference(*args, k_scale=k_scale, v_scale=v_scale)
+    dense = dense_attention_float64(twin)
     k_err, r_err = rel_error(out, ref), rel_error(ref, dense)
     row.update(
         kernel_vs_ref=k_err,

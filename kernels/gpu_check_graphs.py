@@ -1,7 +1,12 @@
-"""gpu_check's CUDA-graph part: the engine's decode tokens/s at batch 1 and 64 on a random
-model with Llama-3-8B's layer shapes (bf16), with CUDA graphs on and off (`enforce_eager`),
-beside the bandwidth roofline: a decode step reads every weight once, so at best
-batch / (weight bytes / copy bandwidth) tokens/s (KV reads ignored: 256-token contexts).
+"""gpu_check's engine decode part: the engine's decode tokens/s at batch 1, 64 and 256 on a
+random model with Llama-3-8B's layer shapes (bf16), in engine variants (MODES): CUDA graphs
+on, quantized weights (`--quantization int8`, `int4`: the Triton W8A16/W4A16 GEMM), an fp8
+KV cache (`--kv-cache-dtype fp8`: the attention kernels upcasting e4m3), and graphs off
+(`enforce_eager`), each beside the bandwidth roofline: a decode step reads every weight
+once, so at best batch / (weight bytes / copy bandwidth) tokens/s (KV reads ignored:
+256-token contexts). Quantized weights move the roofline (fewer bytes); whether the
+engine follows it at batch 1 and where it stops winning at 256 is the field guide's
+"quantization made it slower" crossover.
 
 Decode tokens/s is measured as batch * (N - 1) / (t(N tokens) - t(1 token)), so prefill
 and the first token drop out. `layers` defaults to 8 of Llama-3-8B's 32 so the part fits
@@ -20,6 +25,9 @@ from typing import Any
 
 LLAMA3_8B = {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336,
              "vocab": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0}
+# (name, engine settings), run in this order while time lasts.
+MODES = (("graphs", {}), ("int8", {"quantization": "int8"}), ("int4", {"quantization": "int4"}),
+         ("fp8-kv", {"kv_cache_dtype": "fp8"}), ("eager", {"enforce_eager": True}))
 
 
 def run_decode_graphs(
@@ -30,10 +38,11 @@ def run_decode_graphs(
     model_shape: dict[str, Any] | None = None,
     dtype: str = "bfloat16",
     device: str = "cuda",
-    batches: tuple[int, ...] = (1, 64),
+    batches: tuple[int, ...] = (1, 64, 256),
     prompt_len: int = 128,
     decode_tokens: int = 128,
     llm_kwargs: dict[str, Any] | None = None,
+    modes: tuple[tuple[str, dict[str, Any]], ...] = MODES,
 ) -> dict[str, Any]:
     import torch
 
@@ -56,15 +65,15 @@ def run_decode_graphs(
         gen = torch.Generator().manual_seed(0)
         prompts = torch.randint(4, min(4000, shape["vocab"]), (max(batches), prompt_len),
                                 generator=gen).tolist()
-        for mode in ("graphs", "eager"):
+        result["modes"] = [name for name, _ in modes]
+        for mode, settings in modes:
             if time.monotonic() > deadline:
                 result[mode] = {"skipped": "out of time budget"}
                 continue
             kwargs = {"dtype": dtype, "attention_backend": "triton", "max_num_seqs": max(batches),
                       "max_model_len": prompt_len + decode_tokens + 16,
-                      "enforce_eager": mode == "eager",
                       **({"gpu_memory_utilization": 0.5} if device == "cuda" else {}),
-                      **(llm_kwargs or {})}
+                      **(llm_kwargs or {}), **settings}
             t = time.monotonic()
             llm = LLM(model=str(model_dir), **kwargs)
             runner = llm.engine.runner
@@ -100,6 +109,11 @@ def run_decode_graphs(
             gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
+            if mode != "graphs" and "graphs" in result and "batch_1" in result["graphs"]:
+                for key, row in entry.items():  # against graphs on, float weights and cache
+                    base = result["graphs"].get(key, {})
+                    if key.startswith("batch_") and "decode_tok_per_s" in row and "decode_tok_per_s" in base:
+                        row["vs_graphs"] = row["decode_tok_per_s"] / base["decode_tok_per_s"]
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         result["traceback"] = traceback.format_exc()
@@ -112,13 +126,13 @@ def run_decode_graphs(
 def format_graphs(result: dict[str, Any]) -> list[str]:
     """gpu_check's table lines for this part."""
     if "skipped" in result:
-        return [f"CUDA graphs: skipped ({result['skipped']})"]
+        return [f"engine decode: skipped ({result['skipped']})"]
     if "error" in result:
-        return [f"CUDA graphs: FAILED {result['error']}"]
+        return [f"engine decode: FAILED {result['error']}"]
     shape = result["model_shape"]
-    lines = [f"decode, random Llama-3-8B-shaped model ({shape['layers']} layers, {result['dtype']}),"
-             f" graphs vs eager:"]
-    for mode in ("graphs", "eager"):
+    lines = [f"decode, random Llama-3-8B-shaped model ({shape['layers']} layers, {result['dtype']}): "
+             f"graphs, int8/int4 weights, fp8 KV, eager (x: vs graphs):"]
+    for mode in result.get("modes", ("graphs", "eager")):
         entry = result.get(mode, {})
         if "skipped" in entry or not entry:
             lines.append(f"  {mode:6s} {entry.get('skipped', 'not run')}")
@@ -130,6 +144,7 @@ def format_graphs(result: dict[str, Any]) -> list[str]:
             if key.startswith("batch_") and "decode_tok_per_s" in row:
                 roof = (f" = {100 * row['frac_of_roofline']:.0f}% of roofline"
                         if "frac_of_roofline" in row else "")
-                cells.append(f"b={key[6:]} {row['decode_tok_per_s']:.0f} tok/s{roof}")
+                versus = f", {row['vs_graphs']:.2f}x" if "vs_graphs" in row else ""
+                cells.append(f"b={key[6:]} {row['decode_tok_per_s']:.0f} tok/s{roof}{versus}")
         lines.append(f"  {mode:6s} " + "; ".join(cells) + capture)
     return lines

@@ -6,6 +6,13 @@ block_size + offset, i.e. ``k_cache[slot // block_size, slot % block_size]``.
 
 Tolerance: the kernel copies bits (no arithmetic), so it must match
 ``write_kv_cache_reference`` exactly in every dtype.
+
+An fp8 cache (``float8_e4m3fn``): K/V are quantized in torch first (x / scale, saturated
+to +-448, rounded to nearest even: ``kvpilot.engine.kv_cache_dtype.quantize_fp8``, the
+torch path's own codec) and the kernel scatters their bytes. The cast stays out of the
+kernel because Triton 3.9's interpreter rounds float32 -> e4m3 wrongly when the rounding
+carries into the exponent (124 becomes 64), so an in-kernel cast could not be tested
+here; on a GPU this costs one elementwise pass over the step's new K/V per layer.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpilot.kernels._common import check_cache, next_power_of_2
+from kvpilot.kernels._common import FP8_CACHE_DTYPE, check_cache, next_power_of_2
 
 
 @triton.jit
@@ -89,8 +96,12 @@ def write_kv_cache(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    k_scale: float = 1.0,  # an fp8 cache's scales (ignored for a cache in key's dtype)
+    v_scale: float = 1.0,
 ) -> None:
     """Write ``key``/``value`` into the caches in place at ``slot_mapping``'s slots."""
+    if k_cache.dtype == FP8_CACHE_DTYPE and key.dtype != FP8_CACHE_DTYPE:
+        key, value, k_cache, v_cache = _as_fp8_bytes(key, value, k_cache, v_cache, k_scale, v_scale)
     _check(key, value, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
@@ -113,14 +124,26 @@ def write_kv_cache(
     )
 
 
+def _as_fp8_bytes(key, value, k_cache, v_cache, k_scale: float, v_scale: float):
+    """The step's K/V quantized for an fp8 cache, and all four as uint8 views."""
+    from kvpilot.engine.kv_cache_dtype import quantize_fp8
+
+    return (quantize_fp8(key, k_scale).view(torch.uint8), quantize_fp8(value, v_scale).view(torch.uint8),
+            k_cache.view(torch.uint8), v_cache.view(torch.uint8))
+
+
 def write_kv_cache_reference(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Plain-torch ``write_kv_cache``: same arguments, same in-place effect."""
+    if k_cache.dtype == FP8_CACHE_DTYPE and key.dtype != FP8_CACHE_DTYPE:
+        key, value, k_cache, v_cache = _as_fp8_bytes(key, value, k_cache, v_cache, k_scale, v_scale)
     _check(key, value, k_cache, v_cache, slot_mapping)
     num_tokens = key.shape[0]
     block_size = k_cache.shape[1]

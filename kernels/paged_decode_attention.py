@@ -17,7 +17,10 @@ Design (flash-decoding):
 
 Tolerances (relative error ``||out - ref|| / ||ref||`` against
 ``paged_decode_attention_reference``): fp32 1e-5, fp16 1e-3, bf16 1e-2 (see
-``kvpilot.kernels._common.KERNEL_RTOL``).
+``kvpilot.kernels._common.KERNEL_RTOL``). An fp8 cache (``float8_e4m3fn`` with
+``k_scale``/``v_scale``) is read as stored x scale (multiplied in fp32, then cast to the
+query's dtype) and held to the query dtype's tolerance against the reference, which
+dequantizes the same way.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpilot.kernels._common import check_cache, next_power_of_2, upcast_dots
+from kvpilot.kernels._common import FP8_CACHE_DTYPE, check_cache, next_power_of_2, upcast_dots
 from kvpilot.kernels._reference import paged_attention_torch
 
 # Finite stand-in for -inf as the running max's start value, so that a row or a
@@ -50,6 +53,8 @@ def _paged_decode_kernel(
     max_ptr,  # SPLIT only: [num_seqs, num_heads, num_splits] fp32 running max (log2 domain)
     sum_ptr,  # SPLIT only: [num_seqs, num_heads, num_splits] fp32 softmax denominator
     qk_scale,  # softmax scale * log2(e)
+    k_scale,  # FP8 only: K = stored x k_scale
+    v_scale,  # FP8 only: V = stored x v_scale
     num_splits,
     stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -65,9 +70,11 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     BLOCK_N: tl.constexpr,  # token positions per tile (power of two, >= 16)
     SPLIT: tl.constexpr,
+    FP8: tl.constexpr,  # the caches hold float8 e4m3: upcast to the query's dtype on load
     UPCAST: tl.constexpr,  # feed fp32 to tl.dot (interpreter + bf16 only)
     DOT_PRECISION: tl.constexpr,
 ):
+    compute_ty = q_ptr.dtype.element_ty
     seq = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     split = tl.program_id(2)
@@ -109,6 +116,9 @@ def _paged_decode_kernel(
                   + kv_head * stride_vh + dims[None, :] * stride_vd)
         k = tl.load(k_cache_ptr + k_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         v = tl.load(v_cache_ptr + v_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
+        if FP8:
+            k = (k.to(tl.float32) * k_scale).to(compute_ty)
+            v = (v.to(tl.float32) * v_scale).to(compute_ty)
         if UPCAST:
             k = k.to(tl.float32)
 
@@ -118,7 +128,7 @@ def _paged_decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])  # [BLOCK_G, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        p = p.to(v_cache_ptr.dtype.element_ty)
+        p = p.to(compute_ty)
         if UPCAST:
             p = p.to(tl.float32)
             v = v.to(tl.float32)
@@ -224,7 +234,7 @@ def _launch_config(head_dim_pad: int, group: int, dtype: torch.dtype) -> dict[st
 def _check(query, k_cache, v_cache, block_tables, seq_lens) -> None:
     if query.dim() != 3:
         raise ValueError(f"query must be [num_seqs, num_heads, head_dim], got {tuple(query.shape)}")
-    check_cache(k_cache, v_cache, query.dtype)
+    check_cache(k_cache, v_cache, query.dtype, fp8_ok=True)
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
@@ -248,6 +258,8 @@ def paged_decode_attention(
     *,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+    k_scale: float = 1.0,  # an fp8 cache's scales (ignored for a cache in the query's dtype)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of each sequence's single query token over its paged cache.
 
@@ -293,6 +305,7 @@ def paged_decode_attention(
         query, k_cache, v_cache, block_tables, seq_lens,
         dest, maxes, sums,
         scale * _LOG2E,
+        float(k_scale), float(v_scale),
         num_splits,
         *query.stride(),
         *k_cache.stride(),
@@ -307,6 +320,7 @@ def paged_decode_attention(
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
         SPLIT=split,
+        FP8=k_cache.dtype == FP8_CACHE_DTYPE,
         UPCAST=upcast,
         DOT_PRECISION=precision,
         **config,  # BLOCK_N, num_warps (, num_stages)
@@ -337,6 +351,8 @@ def paged_decode_attention_reference(
     *,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Plain-torch ``paged_decode_attention`` (fp32 math; ``num_splits`` and
     ``max_seq_len`` are accepted for signature parity and ignored)."""
@@ -344,7 +360,8 @@ def paged_decode_attention_reference(
     num_seqs = query.shape[0]
     seq_lens_list = [int(n) for n in seq_lens.tolist()]
     starts = list(range(num_seqs + 1))  # one query row per sequence
-    result = paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens_list, starts, scale)
+    result = paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens_list, starts, scale,
+                                   k_scale=k_scale, v_scale=v_scale)
     if out is None:
         return result
     out.copy_(result)

@@ -18,7 +18,8 @@ Design (flash-attention over a paged cache):
 
 Tolerances (relative error ``||out - ref|| / ||ref||`` against
 ``paged_prefill_attention_reference``): fp32 1e-5, fp16 1e-3, bf16 1e-2 (see
-``kvpilot.kernels._common.KERNEL_RTOL``).
+``kvpilot.kernels._common.KERNEL_RTOL``), with a cache in the query's dtype or in fp8
+(``float8_e4m3fn`` with ``k_scale``/``v_scale``, upcast on load as the decode kernel does).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpilot.kernels._common import check_cache, next_power_of_2, upcast_dots
+from kvpilot.kernels._common import FP8_CACHE_DTYPE, check_cache, next_power_of_2, upcast_dots
 from kvpilot.kernels._reference import paged_attention_torch
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite start for the running max: fully masked rows stay NaN-free
@@ -44,6 +45,8 @@ def _paged_prefill_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int32
     out_ptr,  # [num_tokens, num_heads, head_dim]
     qk_scale,  # softmax scale * log2(e)
+    k_scale,  # FP8 only: K = stored x k_scale
+    v_scale,  # FP8 only: V = stored x v_scale
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -56,9 +59,11 @@ def _paged_prefill_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     BLOCK_N: tl.constexpr,  # key positions per tile
+    FP8: tl.constexpr,  # the caches hold float8 e4m3: upcast to the query's dtype on load
     UPCAST: tl.constexpr,  # feed fp32 to tl.dot (interpreter + bf16 only)
     DOT_PRECISION: tl.constexpr,
 ):
+    compute_ty = q_ptr.dtype.element_ty
     seq = tl.program_id(0).to(tl.int64)
     q_block = tl.program_id(1)
     kv_head = tl.program_id(2).to(tl.int64)
@@ -104,6 +109,9 @@ def _paged_prefill_kernel(
                   + kv_head * stride_vh + dims[None, :] * stride_vd)
         k = tl.load(k_cache_ptr + k_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         v = tl.load(v_cache_ptr + v_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
+        if FP8:
+            k = (k.to(tl.float32) * k_scale).to(compute_ty)
+            v = (v.to(tl.float32) * v_scale).to(compute_ty)
         if UPCAST:
             k = k.to(tl.float32)
 
@@ -114,7 +122,7 @@ def _paged_prefill_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        p = p.to(v_cache_ptr.dtype.element_ty)
+        p = p.to(compute_ty)
         if UPCAST:
             p = p.to(tl.float32)
             v = v.to(tl.float32)
@@ -140,7 +148,7 @@ def _launch_config(head_dim_pad: int, group: int, dtype: torch.dtype) -> dict[st
 def _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
-    check_cache(k_cache, v_cache, query.dtype)
+    check_cache(k_cache, v_cache, query.dtype, fp8_ok=True)
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
@@ -167,6 +175,8 @@ def paged_prefill_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    k_scale: float = 1.0,  # an fp8 cache's scales (ignored for a cache in the query's dtype)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each request's query chunk over its paged cache.
 
@@ -193,6 +203,7 @@ def paged_prefill_attention(
     _paged_prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
         scale * _LOG2E,
+        float(k_scale), float(v_scale),
         *query.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -203,6 +214,7 @@ def paged_prefill_attention(
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
+        FP8=k_cache.dtype == FP8_CACHE_DTYPE,
         UPCAST=upcast,
         DOT_PRECISION=precision,
         **config,  # BLOCK_M, BLOCK_N, num_warps (, num_stages)
@@ -221,13 +233,16 @@ def paged_prefill_attention_reference(
     scale: float,
     *,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Plain-torch ``paged_prefill_attention`` (fp32 math; rows that belong to no
     request come back as zeros)."""
     _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     seq_lens_list = [int(n) for n in seq_lens.tolist()]
     starts = [int(n) for n in query_start_loc.tolist()]
-    result = paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens_list, starts, scale)
+    result = paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens_list, starts, scale,
+                                   k_scale=k_scale, v_scale=v_scale)
     if out is None:
         return result
     out.copy_(result)

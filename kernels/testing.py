@@ -137,3 +137,20 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64 (NaN if ``out`` holds any NaN)."""
     out64, ref64 = out.double(), ref.double()
     return float((out64 - ref64).norm() / ref64.norm().clamp_min(1e-300))
+
+
+def fp8_case(case: PagedCase, k_scale: float, v_scale: float) -> tuple[PagedCase, PagedCase]:
+    """``case`` with its caches stored in fp8 (x / scale, saturated, as the engine writes
+    them; NaN slots stay NaN), and its float twin holding exactly what the fp8 cache reads
+    back as (stored x scale, in the case's dtype), for the float64 oracle."""
+    from dataclasses import replace
+
+    fp8, dtype = torch.float8_e4m3fn, case.k_cache.dtype
+    max_fp8 = torch.finfo(fp8).max
+
+    def store(cache: torch.Tensor, scale: float) -> torch.Tensor:
+        return (cache.float() / scale).clamp(-max_fp8, max_fp8).to(fp8)
+
+    k8, v8 = store(case.k_cache, k_scale), store(case.v_cache, v_scale)
+    twin = replace(case, k_cache=(k8.float() * k_scale).to(dtype), v_cache=(v8.float() * v_scale).to(dtype))
+    return replace(case, k_cache=k8, v_cache=v8), twin

@@ -63,6 +63,9 @@ class Capacity(Model):
     max_num_seqs: Optional[int] = None
     bound: Optional[str] = None
     summary: Optional[str] = None
+    fp8_max_concurrent_seqs: Optional[int] = Field(
+        default=None, description="Sequences of seqLen an fp8 KV cache would hold in the same bytes.")
+    weight_bytes: Optional[int] = Field(default=None, description="The pods' model weights (quantized size where quantized).")
 
 
 class Snapshot(Model):
@@ -100,6 +103,14 @@ class ModelMemory(Model):
                                      description="[unix time, planned replicas], oldest first.")
 
 
+class Advice(Model):
+    """A setting the autotuner recommends but never applies (it needs a restart)."""
+    setting: str = Field(max_length=128, description="The spec field, e.g. engine.kvCacheDtype.")
+    value: str = Field(max_length=128)
+    reason: str = Field(default="", max_length=4096)
+    since: Optional[str] = Field(default=None, json_schema_extra={"format": "date-time"})
+
+
 class AutotuneStatus(Model):
     """The autotuner's report (kvpilot.operator.autotune.report.AutotuneStatus) plus
     the operator's own notes (message, recommendation)."""
@@ -114,6 +125,9 @@ class AutotuneStatus(Model):
     capacity: Optional[Capacity] = None
     snapshot: Optional[Snapshot] = None
     model: Optional[ModelMemory] = None
+    advice: list[Advice] = Field(default_factory=list, max_length=8, description=(
+        "Settings that need a restart, so the autotuner recommends them and never applies them "
+        "(e.g. engine.kvCacheDtype fp8 while the KV cache's size binds)."))
 
 
 class ModelStatus(Model):

@@ -17,12 +17,14 @@ def test_bench_quantization_prints_one_row_per_method(capsys):
                "--ppl-seq-len", "32", "--ppl-tokens", "200", "--kv-cache-memory", "16Mi"])
     assert rc == 0
     out = capsys.readouterr().out.splitlines()
-    rows = {line.split()[0]: line.split() for line in out[1:4]}
-    assert list(rows) == ["none", "int8", "int4"]
+    rows = {line.split()[0]: line.split() for line in out[1:5]}
+    assert list(rows) == ["none", "int8", "int4", "fp8-kv"]
     fp32 = {m: float(r[1].removesuffix("MiB")) for m, r in rows.items()}
-    assert fp32["int4"] < fp32["int8"] < fp32["none"]
-    assert rows["none"][3] == "1.00x" and rows["none"][5] == "100%"
-    assert all(float(r[4]) > 1.0 for r in rows.values())  # a perplexity for each
+    assert fp32["int4"] < fp32["int8"] < fp32["none"] == fp32["fp8-kv"]
+    assert rows["none"][3] == "1.00x" and rows["none"][6] == "100%"
+    kv_tokens = {m: int(r[4]) for m, r in rows.items()}
+    assert kv_tokens["fp8-kv"] == 4 * kv_tokens["none"] == 4 * kv_tokens["int8"]  # float32 cache -> 1 byte
+    assert all(float(r[5]) > 1.0 for r in rows.values())  # a perplexity for each
 
 
 def test_scheme_weights_replace_only_decoder_linears():
@@ -36,8 +38,10 @@ def test_scheme_weights_replace_only_decoder_linears():
     assert torch.equal(out["model.layers.0.mlp.down_proj.weight"], expected)
 
 
-def test_quantized_perplexity_is_close_to_float_on_int8():
+def test_quantized_perplexity_is_close_to_float_on_int8_and_fp8_kv():
     model_dir = resolve_model("builtin:tiny")
     base = heldout_perplexity(model_dir, "none", 32, 400)
     int8 = heldout_perplexity(model_dir, "int8", 32, 400)
+    fp8 = heldout_perplexity(model_dir, "fp8-kv", 32, 400)
     assert abs(int8 - base) / base < 0.05, (base, int8)
+    assert fp8 != base and abs(fp8 - base) / base < 0.05, (base, fp8)  # K/V went through e4m3

@@ -130,12 +130,18 @@ def test_gpu_check_graphs_part_runs_on_a_tiny_cpu_model():
         dtype="float32", device="cpu", batches=(1, 3), prompt_len=8, decode_tokens=5,
         llm_kwargs={"attention_backend": "torch", "kv_cache_memory": "16Mi"})
     assert "error" not in result, result.get("traceback")
-    for mode in ("graphs", "eager"):
+    assert result["modes"] == ["graphs", "int8", "int4", "fp8-kv", "eager"]
+    for mode in result["modes"]:
         assert result[mode]["cuda_graphs"] is False
         for b in (1, 3):
             row = result[mode][f"batch_{b}"]
             assert row["decode_tok_per_s"] > 0 and 0 < row["frac_of_roofline"]
-    assert any("b=3" in line for line in format_graphs(result))
+            assert ("vs_graphs" in row) == (mode != "graphs")
+    # Quantized weights: fewer bytes, so a higher roofline; the fp8 cache leaves weights alone.
+    weights = {mode: result[mode]["weight_bytes"] for mode in result["modes"]}
+    assert weights["int4"] < weights["int8"] < weights["graphs"] == weights["fp8-kv"]
+    table = format_graphs(result)
+    assert any("b=3" in line for line in table) and any(line.strip().startswith("int4") for line in table)
 
 
 def test_gpu_check_speculative_part_runs_on_a_tiny_cpu_model():

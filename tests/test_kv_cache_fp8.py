@@ -1,5 +1,6 @@
 """--kv-cache-dtype fp8: an e4m3 paged KV cache with per-layer K/V scales, twice a 16-bit
-cache's tokens (four times float32's) in the same memory, on the torch attention path."""
+cache's tokens (four times float32's) in the same memory, read by the torch attention path
+and the Triton kernels (their own tests: tests/test_kernels_fp8_cache.py)."""
 
 from __future__ import annotations
 
@@ -43,18 +44,28 @@ def test_the_flag_takes_vllms_values_and_refuses_others_by_name():
                      simulate={"accelerator": "h200", "model": "llama-3.1-8b"})
 
 
-def test_auto_picks_the_torch_path_for_an_fp8_cache_on_cuda_too():
+def test_both_backends_read_an_fp8_cache_so_auto_picks_as_for_any_cache():
     from kvpilot.engine.attention import resolve_backend
 
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert resolve_backend("auto", cuda) == "triton" and resolve_backend("auto", cuda, fp8_cache=True) == "torch"
-    assert resolve_backend("auto", cpu, fp8_cache=True) == "torch"
-    assert resolve_backend("triton", cuda, fp8_cache=True) == "triton"  # then refused, below
+    assert resolve_backend("auto", torch.device("cuda")) == "triton"
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
 
 
-def test_the_triton_backend_refuses_an_fp8_cache_at_start_up():
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'.*torch"):
-        LLM(**TINY, kv_cache_dtype="fp8", attention_backend="triton")
+def test_the_triton_backend_with_an_fp8_cache_gives_the_torch_backends_greedy_tokens():
+    """The same fp8 bytes read by the Triton kernels (under the interpreter here) and by the
+    torch path: chunked prefill (later chunks read the cache) and a prefix-cache hit."""
+    pytest.importorskip("triton")
+    prompts = _prompts(4, 3)
+    params = SamplingParams(max_tokens=8, temperature=0)
+    kw = dict(**TINY, dtype="float32", kv_cache_dtype="fp8", max_num_batched_tokens=32)
+    runs = []
+    for backend in ("torch", "triton"):
+        llm = LLM(**kw, attention_backend=backend)
+        assert llm.engine.runner.kv_caches[0][0].dtype == FP8
+        first = llm.generate(prompts[:1], params, use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in first + llm.generate(prompts[1:], params, use_tqdm=False)])
+        assert llm.engine.kv_cache.prefix_stats.hits >= 32
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.parametrize("dtype, factor", [("float32", 4), ("bfloat16", 2), ("float16", 2)])

@@ -241,6 +241,8 @@ def test_capacity_gauges_report_the_kv_sizing(server):
     assert m[f"kvpilot:kv_cache_bytes_per_token{{model_name={MODEL}}}"] == 4096
     assert m[f"kvpilot:kv_cache_bytes{{model_name={MODEL}}}"] == 64 * 2**20
     assert m[f"kvpilot:model_weight_bytes{{model_name={MODEL}}}"] > 0
+    assert m[f"kvpilot:kv_cache_element_bytes{{model_name={MODEL}}}"] == 4  # float32; fp8 would be 1
+    assert any(k.startswith("vllm:cache_config_info{") and "cache_dtype=auto" in k for k in m)
 
 
 def test_unknown_model_auth_and_routes(server, client):

@@ -115,7 +115,7 @@ def test_scrapes_carry_exactly_the_series_a_simulated_server_exports():
     done = FinishedRequest("length", 20, 7, 1.5, 0.2, 0.1, 0.02)
     for sink in (real, sim):
         sink.record_simulation("h100-80gb", "llama-3.1-8b")
-        sink.record_capacity(1 << 20, 4096, 1 << 30)
+        sink.record_capacity(1 << 20, 4096, 1 << 30, 2)
         sink.record_stats(stats)
         sink.record_first_token(0.1)
         sink.record_inter_token(0.02)

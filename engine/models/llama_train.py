@@ -9,6 +9,8 @@ its `state_dict()` is a checkpoint and a checkpoint loads with `load_state_dict`
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,6 +37,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        # The serving cache's storage rounding of K (after RoPE) and V, for scoring what a
+        # quantized KV cache serves (bench quantization's fp8-kv): decoding reads every
+        # position's K/V, its own included, back from the cache. None: float.
+        self.kv_round: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape  # [batch, seq, hidden]
@@ -42,6 +48,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # [batch, heads, seq, D]
+        if self.kv_round is not None:
+            k, v = self.kv_round(k), self.kv_round(v)
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [batch, heads, seq, D]

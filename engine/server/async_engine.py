@@ -46,12 +46,11 @@ class AsyncEngine:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.metrics.record_stats(self.engine.stats())
-        self.metrics.record_capacity(
-            self.engine.kv_cache_bytes, self.engine.kv_bytes_per_token, self.engine.weight_bytes
-        )
+        self.metrics.record_capacity(self.engine.kv_cache_bytes, self.engine.kv_bytes_per_token,
+                                     self.engine.weight_bytes, self.engine.kv_cache_element_bytes)
         config = self.engine.config
         self.metrics.record_cache_config(  # vLLM's CacheConfig key names
-            block_size=config.block_size, cache_dtype="auto", enable_prefix_caching=config.enable_prefix_caching,
+            block_size=config.block_size, cache_dtype=config.kv_cache_dtype, enable_prefix_caching=config.enable_prefix_caching,
             gpu_memory_utilization=config.gpu_memory_utilization, kv_cache_memory_bytes=self.engine.kv_cache_bytes,
             num_gpu_blocks=self.engine.kv_cache.num_blocks, num_cpu_blocks=None,
             kv_cache_size_tokens=self.engine.kv_capacity_tokens)

@@ -105,6 +105,10 @@ class ServerMetrics:
             kv_labels, registry=r).labels(model_name)
         self.weight_bytes = Gauge("kvpilot:model_weight_bytes", "Bytes of model weights.",
                                   kv_labels, registry=r).labels(model_name)
+        # 4 float32, 2 bf16/fp16, 1 fp8: what an fp8 cache would multiply capacity by.
+        self.kv_element_bytes = Gauge(
+            "kvpilot:kv_cache_element_bytes", "Bytes of one K or V element in the paged KV cache "
+            "(its storage dtype: --kv-cache-dtype).", kv_labels, registry=r).labels(model_name)
         self.length_refusals = Counter(
             "kvpilot:request_length_refusals",
             "Requests refused because prompt + max_tokens exceeds max_model_len.",
@@ -138,10 +142,12 @@ class ServerMetrics:
         Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
               [*info, "engine"], registry=self.registry).labels(*info.values(), ENGINE_INDEX).set(1)
 
-    def record_capacity(self, kv_cache_bytes: int, kv_bytes_per_token: int, weight_bytes: int) -> None:
+    def record_capacity(self, kv_cache_bytes: int, kv_bytes_per_token: int, weight_bytes: int,
+                        kv_cache_element_bytes: int) -> None:
         self.kv_cache_bytes.set(kv_cache_bytes)
         self.kv_bytes_per_token.set(kv_bytes_per_token)
         self.weight_bytes.set(weight_bytes)
+        self.kv_element_bytes.set(kv_cache_element_bytes)
 
     def record_stats(self, stats: EngineStats) -> None:
         """Gauges take the current value; counters grow by the change since the last call."""

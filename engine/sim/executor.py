@@ -53,6 +53,7 @@ class SimulatedExecutor:
         self.vocab_size = model.vocab_size
         self.max_position_embeddings = model.max_position_embeddings
         self.kv_bytes_per_block = model.kv_bytes_per_token * config.block_size
+        self.kv_cache_element_bytes = model.dtype_bytes
         self.weight_bytes = model.weight_bytes
         self.memory: MemoryPlan | None = None
         eos = min(tokenizer.eos_token_ids) if tokenizer.eos_token_ids else None

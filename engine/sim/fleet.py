@@ -81,7 +81,7 @@ class Replica:
         self.engine = LLMEngine(config, self.clock)
         self.metrics = ReplicaMetrics(self.engine.config.model_name, self.engine.max_model_len)
         self.metrics.record_capacity(self.engine.kv_cache_bytes, self.engine.kv_bytes_per_token,
-                                     self.engine.weight_bytes)
+                                     self.engine.weight_bytes, self.engine.kv_cache_element_bytes)
         runner = self.engine.runner
         self.metrics.record_simulation(runner.accelerator.name, runner.model.name)
         self.metrics.record_stats(self.engine.stats())

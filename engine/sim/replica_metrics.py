@@ -102,10 +102,12 @@ class ReplicaMetrics:
         self._gap, self._gap_repeats = 0.0, 0
 
     # --- the server's ServerMetrics interface ---------------------------------------------
-    def record_capacity(self, kv_cache_bytes: int, kv_bytes_per_token: int, weight_bytes: int) -> None:
+    def record_capacity(self, kv_cache_bytes: int, kv_bytes_per_token: int, weight_bytes: int,
+                        kv_cache_element_bytes: int) -> None:
         self.capacity = {"kvpilot:kv_cache_bytes": kv_cache_bytes,
                          "kvpilot:kv_cache_bytes_per_token": kv_bytes_per_token,
-                         "kvpilot:model_weight_bytes": weight_bytes}
+                         "kvpilot:model_weight_bytes": weight_bytes,
+                         "kvpilot:kv_cache_element_bytes": kv_cache_element_bytes}
 
     def record_simulation(self, accelerator: str, model: str) -> None:
         self.simulation = (accelerator, model)

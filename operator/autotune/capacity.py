@@ -11,6 +11,13 @@ that says which limit binds first:
   scheduler's cap binds and raising it is free capacity;
 - HardwareBound: `max_num_seqs` admits more sequences than the cache holds, so the
   extra ones only get preempted; more throughput needs more memory or replicas.
+
+Given the cache's element size (the pods' kvpilot:kv_cache_element_bytes), the plan also
+says how many sequences an fp8 cache (one byte per element) would hold in the same bytes:
+the field guide's first remedy for a cache pinned near full, which needs a restart, so
+the autotuner advises it (advice.py) rather than applying it. Given the weights' bytes
+(kvpilot:model_weight_bytes, the quantized size where the pods quantize), it says what the
+weights take: on a GPU the cache gets what they leave of the memory share.
 """
 
 from __future__ import annotations
@@ -65,8 +72,11 @@ class CapacityPlan:
     max_num_seqs: int
     bound: str  # "TuningBound" | "HardwareBound"
     summary: str
+    fp8_max_concurrent_seqs: int | None = None  # the same with an fp8 cache; None: already fp8 or unknown
+    weight_bytes: int | None = None
 
     def to_status(self) -> dict:
+        extra = {"fp8MaxConcurrentSeqs": self.fp8_max_concurrent_seqs, "weightBytes": self.weight_bytes}
         return {
             "kvCacheBytes": self.kv_cache_bytes,
             "bytesPerToken": self.bytes_per_token,
@@ -76,6 +86,7 @@ class CapacityPlan:
             "maxNumSeqs": self.max_num_seqs,
             "bound": self.bound,
             "summary": self.summary,
+            **{k: v for k, v in extra.items() if v is not None},
         }
 
 
@@ -108,6 +119,8 @@ def plan_capacity(
     gpu_memory_utilization: float | None = None,
     activation_reserve_bytes: int = 0,
     bytes_per_token: int | None = None,
+    kv_element_bytes: int | None = None,
+    weight_bytes: int | None = None,
 ) -> CapacityPlan:
     """How many sequences of `seq_len` tokens fit in the KV cache, and which limit binds.
 
@@ -115,6 +128,8 @@ def plan_capacity(
     Any model works without its config: pass the pod's own `kvpilot:kv_cache_bytes` as
     `kv_cache_memory` and `kvpilot:kv_cache_bytes_per_token` as `bytes_per_token`
     (`shape` may then be None); the shape is needed only for the GPU formula.
+    `kv_element_bytes` (the cache's element size) adds what an fp8 cache would hold, and
+    `weight_bytes` what the weights take, to the plan and its summary.
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
@@ -144,6 +159,13 @@ def plan_capacity(
     else:
         summary = (f"{head}; max_num_seqs={max_num_seqs} admits more than fit, so the cache "
                    f"binds and more throughput needs memory or replicas: hardware-bound")
+    fp8_fits = None
+    if kv_element_bytes is not None and kv_element_bytes > 1:
+        fp8_fits = int(total // (per_token // int(kv_element_bytes) * tokens))
+        summary += (f"; an fp8 KV cache ({format_bytes(per_token // int(kv_element_bytes))}/token) would "
+                    f"hold {fp8_fits}")
+    if weight_bytes:
+        summary += f"; the weights take {format_bytes(weight_bytes)}"
     return CapacityPlan(
         kv_cache_bytes=total,
         bytes_per_token=per_token,
@@ -153,4 +175,6 @@ def plan_capacity(
         max_num_seqs=max_num_seqs,
         bound=bound,
         summary=summary,
+        fp8_max_concurrent_seqs=fp8_fits,
+        weight_bytes=int(weight_bytes) if weight_bytes else None,
     )

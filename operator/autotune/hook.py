@@ -20,7 +20,10 @@ spec.autotune.interval, measured from the time of the last decision in status:
    (PrometheusUnreachable, BadResponse, NoData), with the URL and the error;
 6. with spec.autotune.sharedPrefix set, a low prefix-cache hit rate raises the
    PrefixCacheIneffective condition and a Warning Event (diagnose only);
-7. the TuningApplied condition says whether the pods report (kvpilot:max_num_seqs,
+7. settings that need a restart (an fp8 KV cache while the cache's size binds: advice.py)
+   go into status.autotune.advice, with a Normal Event (AutotuneAdvice) when one first
+   appears; they are never applied;
+8. the TuningApplied condition says whether the pods report (kvpilot:max_num_seqs,
    kvpilot:max_model_len, kvpilot:num_speculative_tokens) the settings in effect. A short disagreement is the tuning
    ConfigMap still propagating; one that outlasts TUNING_GRACE_S (or two windows) is
    PodsDisagree with a Warning Event: the engine refused a value, e.g. a max_model_len
@@ -40,6 +43,7 @@ from ..objects import INSTANCE_LABEL
 from ..reconcile import AutotuneContext, AutotuneOutcome
 from ..spec import GROUP, KIND, VERSION, LLMDeploymentSpec, spec_tokens_bounds
 from ..status import AutotuneStatus, Condition, Effective
+from .advice import restart_advice
 from .capacity import CapacityPlan, plan_capacity
 from .decision import Action, Bounds, Decision, Diagnosis, Range, Settings, Thresholds
 from .fleet_reader import FleetReader, FleetReaders
@@ -49,7 +53,7 @@ from .policy import prefix_cache_warning, decide
 from .metrics_condition import METRICS_CONDITION, metrics_condition
 from .prometheus import PrometheusReader
 from .query_client import connect
-from .report import build_report, history_from_status
+from .report import AdviceStatus, advice_status, build_report, history_from_status
 from .signals import Snapshot
 
 log = logging.getLogger(__name__)
@@ -141,7 +145,9 @@ def capacity_plan(snap: Snapshot | None, current: Settings) -> CapacityPlan | No
         return None
     return plan_capacity(seq_len=snap.request_len_p99 or current.max_model_len,
                          max_num_seqs=current.max_num_seqs, block_size=current.block_size,
-                         kv_cache_memory=int(snap.kv_cache_bytes), bytes_per_token=int(snap.kv_bytes_per_token))
+                         kv_cache_memory=int(snap.kv_cache_bytes), bytes_per_token=int(snap.kv_bytes_per_token),
+                         kv_element_bytes=int(snap.kv_cache_element_bytes) if snap.kv_cache_element_bytes else None,
+                         weight_bytes=int(snap.weight_bytes) if snap.weight_bytes else None)
 
 
 def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None = None,
@@ -191,7 +197,11 @@ def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None 
             log.warning("autotune %s/%s: scaling to %s failed: %s", owner.namespace, owner.name, new, e)
             applied = False
     history = history.record(decision, applied)
-    report = build_report(decision, history, snap, plan).dump()
+    before = _previous_advice(prev)
+    advice = advice_status(restart_advice(decision.diagnosis, snap, plan, kv_cache_dtype=spec.engine.kv_cache_dtype,
+                                          simulated=spec.engine.simulate is not None, thresholds=thresholds),
+                           before, now)
+    report = build_report(decision, history, snap, plan, advice).dump()
     metrics.AUTOTUNE_DIAGNOSES.labels(decision.diagnosis.value).inc()
 
     proposed = None
@@ -202,8 +212,11 @@ def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None 
                              replicas=replicas if auto else values.get("replicas", current.replicas),
                              num_speculative_tokens=values.get("num_speculative_tokens",
                                                                current.num_speculative_tokens))
-    # The Event and counter wait for the status write (reconcile runs `announce` after it).
+    # The Events and counter wait for the status write (reconcile runs `announce` after it).
     announce = functools.partial(_announce_change, kube, owner, decision) if applied else None
+    fresh = [a for a in advice if (a.setting, a.value) not in {(b.setting, b.value) for b in before}]
+    if fresh:
+        announce = functools.partial(_announce_advice, kube, owner, fresh, announce)
 
     conditions = _keep_previous(ctx, {PREFIX_CONDITION: _prefix_conditions(ctx, snap, thresholds),
                                       TUNING_CONDITION: _tuning_condition(ctx, snap, current, now),
@@ -235,6 +248,22 @@ def _announce_change(kube: Any, owner, decision: Decision) -> None:
         metrics.AUTOTUNE_DECISIONS.labels(owner.namespace, owner.name, decision.action.value, setting).inc()
     log.info("autotune %s/%s: %s %s (%s)", owner.namespace, owner.name, decision.action.value, change,
              decision.diagnosis.value)
+
+
+def _previous_advice(prev: AutotuneStatus | None) -> list[AdviceStatus]:
+    if prev is None or not prev.advice:
+        return []
+    return [AdviceStatus(setting=a.setting, value=a.value, reason=a.reason, since=a.since or "")
+            for a in prev.advice]
+
+
+def _announce_advice(kube: Any, owner, advice: list[AdviceStatus], then: Callable[[], None] | None) -> None:
+    """One Event per piece of advice when it first appears (not every interval it holds)."""
+    if then is not None:
+        then()
+    for a in advice:
+        _event(kube, owner, "Normal", "AutotuneAdvice", f"set spec.{a.setting}: {a.value} ({a.reason})")
+        log.info("autotune %s/%s: advice spec.%s=%s", owner.namespace, owner.name, a.setting, a.value)
 
 
 def _hpa_owns_scale(kube: Any, namespace: str, name: str) -> bool:

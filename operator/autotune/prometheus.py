@@ -36,7 +36,8 @@ config's relabelling) and aggregates over the pods:
   its series is absent the signal is None (the raise-on-refusal rule stays off);
 - KV sizing: the smallest kvpilot:kv_cache_bytes and the largest
   kvpilot:kv_cache_bytes_per_token over the pods (what the capacity plan needs, for any
-  model, without its config);
+  model, without its config), and the largest kvpilot:kv_cache_element_bytes and
+  kvpilot:model_weight_bytes (what an fp8 cache would hold; what the weights take);
 - speculative decoding (vLLM's counters, present only where the pods speculate): the
   acceptance rate rate(accepted tokens) / rate(draft tokens), the mean accepted length
   1 + rate(accepted tokens) / rate(drafts) (tokens per verification), drafts/s, and the
@@ -86,6 +87,8 @@ SOURCES = {
     "prefix_hit_rate": "vllm:prefix_cache_queries_total",
     "kv_cache_bytes": "kvpilot:kv_cache_bytes",
     "kv_bytes_per_token": "kvpilot:kv_cache_bytes_per_token",
+    "kv_cache_element_bytes": "kvpilot:kv_cache_element_bytes",
+    "weight_bytes": "kvpilot:model_weight_bytes",
     "num_waiting_now": "vllm:num_requests_waiting",
     "prompt_tokens_per_s": "vllm:prompt_tokens_total",
     "tpot_mean_s": "vllm:request_time_per_output_token_seconds_count",
@@ -197,6 +200,8 @@ def build_queries(target: Target | FleetTarget, window_s: float,
         "length_refusals_per_s": rate(refusal_metric),
         "kv_cache_bytes": f"{min_}(kvpilot:kv_cache_bytes{{{sel}}})",
         "kv_bytes_per_token": f"{max_}(kvpilot:kv_cache_bytes_per_token{{{sel}}})",
+        "kv_cache_element_bytes": f"{max_}(kvpilot:kv_cache_element_bytes{{{sel}}})",
+        "weight_bytes": f"{max_}(kvpilot:model_weight_bytes{{{sel}}})",
         "num_waiting_now": f"{sum_}(vllm:num_requests_waiting{{{sel}}})",
         "prompt_tokens_per_s": rate("vllm:prompt_tokens_total"),
         "tpot_mean_s": (f"{rate('vllm:request_time_per_output_token_seconds_sum')} / "

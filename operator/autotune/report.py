@@ -15,6 +15,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from .advice import Advice
 from .capacity import CapacityPlan
 from .decision import Action, Decision, Diagnosis
 from .history import History, HistoryEntry, Observation
@@ -72,6 +73,13 @@ class SnapshotStatus(_Model):
     stale: list[str] = Field(default_factory=list)
 
 
+class AdviceStatus(_Model):
+    setting: str  # the spec field, e.g. "engine.kvCacheDtype"
+    value: str
+    reason: str
+    since: str  # RFC 3339: the first interval that gave this advice (of the current run of them)
+
+
 class ModelStatus(_Model):
     fit: Optional[str] = None
     observations: list[list[float]] = Field(default_factory=list)
@@ -86,6 +94,7 @@ class AutotuneStatus(_Model):
     capacity: Optional[dict] = None
     snapshot: Optional[SnapshotStatus] = None
     model: Optional[ModelStatus] = None  # autotune.controller Model: its memory between passes
+    advice: list[AdviceStatus] = Field(default_factory=list)  # restart-only settings, never applied
 
 
 def rfc3339(t: float) -> str:
@@ -128,7 +137,7 @@ def snapshot_status(s: Snapshot) -> SnapshotStatus:
 
 
 def build_report(decision: Decision, history: History, snapshot: Snapshot | None = None,
-                 capacity: CapacityPlan | None = None) -> AutotuneStatus:
+                 capacity: CapacityPlan | None = None, advice: list[AdviceStatus] | None = None) -> AutotuneStatus:
     """status.autotune after this interval; `history` should already include `decision`
     (History.record), so the last decision's entry carries its applied flag."""
     entry = next((e for e in reversed(history.entries) if e.decision is decision), None)
@@ -142,7 +151,15 @@ def build_report(decision: Decision, history: History, snapshot: Snapshot | None
         capacity=capacity.to_status() if capacity else None,
         snapshot=snapshot_status(snapshot) if snapshot else None,
         model=_model_status(history, decision.time) if history.observations or history.plans else None,
+        advice=advice or [],
     )
+
+
+def advice_status(advice: list[Advice], before: list[AdviceStatus], now: float) -> list[AdviceStatus]:
+    """This interval's advice, each keeping the `since` of the same advice last interval."""
+    since = {(a.setting, a.value): a.since for a in before}
+    return [AdviceStatus(setting=a.setting, value=a.value, reason=a.reason,
+                         since=since.get((a.setting, a.value), rfc3339(now))) for a in advice]
 
 
 def _model_status(history: History, now: float) -> ModelStatus:

@@ -21,7 +21,8 @@ REQUIRED_SIGNALS = (
 OPTIONAL_SIGNALS = ("ttft_p95_s", "tpot_p95_s", "generation_tokens_per_s", "running_min",
                     "request_latency_mean_s",
                     "request_len_p99", "prefix_hit_rate", "length_refusals_per_s",
-                    "kv_cache_bytes", "kv_bytes_per_token", "prompt_tokens_per_s", "tpot_mean_s",
+                    "kv_cache_bytes", "kv_bytes_per_token", "kv_cache_element_bytes", "weight_bytes",
+                    "prompt_tokens_per_s", "tpot_mean_s",
                     "num_waiting_now", "flex_share", "prompt_len_mean",
                     "generation_len_mean", "spec_acceptance_rate", "spec_mean_accepted_len",
                     "spec_drafts_per_s", "num_speculative_tokens")
@@ -85,6 +86,11 @@ class Snapshot:
     # smallest cache and the largest per-token cost over the pods, for the capacity plan.
     kv_cache_bytes: float | None = None
     kv_bytes_per_token: float | None = None
+    # The cache's element size (kvpilot:kv_cache_element_bytes: 4, 2, or 1 for fp8) and the
+    # weights' bytes (kvpilot:model_weight_bytes, quantized where the pods quantize), largest
+    # over the pods: what an fp8 cache would give, and what the weights leave the cache.
+    kv_cache_element_bytes: float | None = None
+    weight_bytes: float | None = None
     # Speculative decoding (vllm:spec_decode_*), None where the pods do not speculate or drafted
     # nothing in the window: accepted / drafted tokens (0..1); 1 + accepted tokens per draft (the
     # tokens one verification yields); drafts per second; the largest num_speculative_tokens in
