@@ -223,11 +223,17 @@ def test_a_too_many_seqs_for_the_cache_lowers_them_and_preemptions_fall(cluster,
         assert after_per_token < 0.5 * before_per_token, (before_per_token, after_per_token)
         assert st["capacity"]["bytesPerToken"] == 4096 and st["capacity"]["kvCacheBytes"] == 2 * 2**20
         assert events(kube, ns, "AutotuneChange"), "no AutotuneChange Event"
+        # The pods' float32 cache (4 bytes an element): an fp8 one would hold 4x, advised
+        # (one Event when the advice appears) while the cache bound, never applied.
+        assert st["capacity"]["fp8MaxConcurrentSeqs"] >= 4 * st["capacity"]["maxConcurrentSeqs"]
+        advice = events(kube, ns, "AutotuneAdvice")
+        assert advice and all("spec.engine.kvCacheDtype: fp8" in e["message"] for e in advice), advice
         op = operator_leader(kube)
         text = httpx.get(f"http://{op['status']['podIP']}:8080/metrics", timeout=10).text
         assert ('kvpilot_operator_autotune_decisions_total{action="change",llmdeployment="tiny",'
                 f'llmdeployment_namespace="{ns}",setting="max_num_seqs"}}') in text
         assert llmd(kube, ns)["spec"]["engine"]["maxNumSeqs"] == 64  # the spec is never rewritten
+        assert "kvCacheDtype" not in llmd(kube, ns)["spec"]["engine"]
     finally:
         cleanup(cluster, ns)
 
