@@ -159,7 +159,7 @@ def advice_status(advice: list[Advice], before: list[AdviceStatus], now: float) 
     """This interval's advice, each keeping the `since` of the same advice last interval."""
     since = {(a.setting, a.value): a.since for a in before}
     return [AdviceStatus(setting=a.setting, value=a.value, reason=a.reason,
-                         since=since.get((a.setting, a.value), rfc3339(now))) for a in advice]
+                         since=since.get((a.setting, a.value)) or rfc3339(now)) for a in advice]
 
 
 def _model_status(history: History, now: float) -> ModelStatus:
