@@ -65,7 +65,8 @@ def fixtures(tiny_model_dir, prompts) -> Path:
             (partial / "prompts.json").write_text(json.dumps(prompts))
             r = subprocess.run([sys.executable, str(SCRIPT), str(tiny_model_dir), str(partial),
                                 str(partial / "prompts.json")], capture_output=True, text=True,
-                               env=dict(os.environ, TRITON_INTERPRET="0"), timeout=1800)
+                               env=dict(os.environ, TRITON_INTERPRET="0"), timeout=1800,
+                               cwd=partial)  # GPTQModel writes logs/ into its working directory
             assert r.returncode == 0, f"GPTQModel failed to make the fixtures:\n{r.stderr[-6000:]}"
             (partial / "done").write_text("")
             shutil.rmtree(out, ignore_errors=True)
