@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     # as entry points of the group "kvpilot.commands", so the engine never names them.
     from importlib.metadata import entry_points
 
-    from . import (bench_overhead, bench_quantization, bench_serve, bench_soak, bench_speculative,
-                   bench_throughput, fetch_cli)
+    from . import (bench_overhead, bench_parallel, bench_quantization, bench_serve, bench_soak,
+                   bench_speculative, bench_throughput, fetch_cli)
     from .server import cli as server_cli
     from .sim import cli as sim_cli
 
@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_soak.add_parser(bench)
     bench_speculative.add_parser(bench)
     bench_quantization.add_parser(bench)
+    bench_parallel.add_parser(bench)
     server_cli.add_parser(sub)
     fetch_cli.add_parser(sub)
     sim_cli.add_parser(sub)

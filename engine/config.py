@@ -18,6 +18,7 @@ QUANTIZATION_CHOICES = ("int8", "int4", "compressed-tensors", "gptq", "awq")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 # vLLM's --kv-cache-dtype values: auto = the model's dtype; fp8 = fp8_e4m3 (kv_cache_dtype.py).
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3")
+MAX_PARALLEL_SIZE = 16  # ranks of one kind on one node (the operator's resources.gpus limit too)
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when the user gives nothing on CPU
 
 
@@ -64,6 +65,18 @@ class EngineConfig:
               "points (default: float weights). A quantized checkpoint (compressed-tensors "
               "W4A16/W8A16, GPTQ 4/8-bit, AWQ 4-bit GEMM) is read as its config.json says, with "
               "or without its name here", choices=QUANTIZATION_CHOICES)
+    tensor_parallel_size: int = setting(
+        1, "GPUs (CPU: processes) one engine spreads each layer over, Megatron-style: q/k/v and "
+           "gate/up split by column, o and down by row with one all-reduce each, the embedding "
+           "and LM head by vocabulary, the KV cache by KV head (num_key_value_heads must divide "
+           "by it); one worker process per rank, NCCL on CUDA, gloo on the CPU")
+    pipeline_parallel_size: int = setting(
+        1, "pipeline stages the decoder layers are split into, one process per stage (times "
+           "tensor_parallel_size), with the step's sequences split into micro-batches in flight")
+    pipeline_micro_batches: int | None = setting(
+        None, "micro-batches a step is cut into for the pipeline (default: pipeline_parallel_size; "
+              "at most the step's sequences): more shrink the idle bubble (p-1)/(m+p-1), smaller "
+              "ones use each stage's matmuls less well")
     seed: int = setting(0, "torch's global seed, and the base of unseeded requests' seeds")
     cpu_threads: int | None = setting(
         None, "torch's intra-op threads on the CPU (default: torch's, one per core); fewer leave "
@@ -114,11 +127,24 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
+                     "pipeline_parallel_size"):
             positive_int(name, getattr(self, name))
         if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or not isinstance(
                 self.cpu_threads, int) or not 1 <= self.cpu_threads <= 1024):
             raise ValueError(f"cpu_threads must be an integer in [1, 1024], got {self.cpu_threads!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) > MAX_PARALLEL_SIZE:
+                raise ValueError(f"{name} must be at most {MAX_PARALLEL_SIZE} (one process per rank "
+                                 f"on one node), got {getattr(self, name)}")
+        if self.pipeline_micro_batches is not None:
+            positive_int("pipeline_micro_batches", self.pipeline_micro_batches)
+            if self.pipeline_micro_batches > 1024:
+                raise ValueError(f"pipeline_micro_batches must be at most 1024, got {self.pipeline_micro_batches}")
+        if self.world_size > 1 and self.quantization is not None and self.simulate is None:
+            raise ValueError(f"quantization={self.quantization!r} with tensor_parallel_size/"
+                             "pipeline_parallel_size > 1 is not implemented (the sharded loader reads "
+                             "float weights); drop one of them")
         if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {self.block_size}")
         if self.max_model_len is not None:
@@ -129,6 +155,11 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks one engine runs on: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def model_name(self) -> str:

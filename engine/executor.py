@@ -25,6 +25,11 @@ class StepResult:
     logprobs: list[list[TokenLogprob]] | None = None  # aligned with token_ids; None when no request asked
 
 
+class EngineDeadError(RuntimeError):
+    """The executor cannot run any step again (a tensor/pipeline-parallel rank died, or a
+    collective broke mid-step): never one request's fault, so never isolated to one."""
+
+
 class Executor(Protocol):
     vocab_size: int  # token ids a prompt may hold
     max_position_embeddings: int
@@ -52,4 +57,10 @@ class Executor(Protocol):
 
     def run(self, out: SchedulerOutput) -> StepResult:
         """Run one step; each scheduled request's block table is `request.block_ids`."""
+
+    def failure(self) -> str | None:
+        """Why the executor can no longer run steps (a tensor-parallel rank died), or None."""
+
+    def shutdown(self) -> None:
+        """Release what outlives the object: other ranks' processes."""
 

@@ -3,6 +3,7 @@ timing model (apart from executor.py, whose protocol both implementations import
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -27,4 +28,10 @@ def load_executor(config: EngineConfig, clock) -> tuple[Executor, Tokenizer]:
     model_dir = resolve_model(config.model)
     model_config = ModelConfig.from_dir(model_dir, config.quantization)
     tokenizer = Tokenizer.from_dir(model_dir)
+    # gpu_check (and a test) run the multi-process code path with one rank this way: the
+    # process group (NCCL on CUDA), the sharded loader and the step protocol, no worker.
+    if config.world_size > 1 or os.environ.get("KVPILOT_PARALLEL_EXECUTOR") == "1":
+        from .parallel.launch import start_parallel
+
+        return start_parallel(config, model_config, str(model_dir)), tokenizer
     return ModelRunner(config, model_config, str(model_dir)), tokenizer

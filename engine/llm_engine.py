@@ -76,6 +76,14 @@ class LLMEngine:
                 f"(kv_cache_memory / gpu_memory_utilization)."
             )
 
+    def failure(self) -> str | None:
+        """Why the engine cannot run any more (a tensor/pipeline-parallel rank died), or None."""
+        return self.runner.failure()
+
+    def shutdown(self) -> None:
+        """Stop what the engine started outside this process (other ranks); idempotent."""
+        self.runner.shutdown()
+
     @property
     def kv_bytes_per_token(self) -> int:
         return self.runner.kv_bytes_per_block // self.config.block_size

@@ -22,7 +22,7 @@ from .request import Request
 from .sampler import Sampler, SamplingBatch, processed_probs
 
 
-def verify_step(compute_logits, hidden: torch.Tensor, sample_rows: list[int], requests: list[Request],
+def verify_step(logits_for, sample_rows: list[int], requests: list[Request],
                 drafts: list[list[int]], sampler: Sampler, device: torch.device) -> StepResult:
     """Tokens (one per plain request, accepted drafts + one per drafted request) and
     the target's logprobs of each, in `requests` order."""
@@ -34,8 +34,7 @@ def verify_step(compute_logits, hidden: torch.Tensor, sample_rows: list[int], re
         logprobs = [[] for _ in requests]
 
     if plain:
-        rows = torch.tensor([sample_rows[i] for i in plain], device=device)
-        logits = compute_logits(hidden[rows])  # [P, vocab]
+        logits = logits_for([sample_rows[i] for i in plain])  # [P, vocab]
         batch = SamplingBatch.build([requests[i] for i in plain], logits.shape[-1], device)
         out = sampler(logits, batch)
         ids = out.token_ids.tolist()
@@ -49,7 +48,7 @@ def verify_step(compute_logits, hidden: torch.Tensor, sample_rows: list[int], re
     k = max(len(drafts[i]) for i in drafted)
     # Each drafted request's rows: its sample row, then one per draft.
     row_ids = [sample_rows[i] + j for i in drafted for j in range(len(drafts[i]) + 1)]
-    logits = compute_logits(hidden[torch.tensor(row_ids, device=device)])  # [R, vocab]
+    logits = logits_for(row_ids)  # [R, vocab]
     expanded = [requests[i] for i in drafted for _ in range(len(drafts[i]) + 1)]
     batch = SamplingBatch.build(expanded, logits.shape[-1], device)
     argmax = argmax_rows(logits)  # [R]

@@ -8,6 +8,7 @@ or aborted)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,47 @@ class StepInputs:
     # Per sampling request, the drafts whose rows follow its sample row (speculation);
     # empty when no request in the step has any.
     spec_drafts: list[list[int]]
+
+    def logit_rows(self) -> list[int]:
+        """The token rows whose logits the step samples from: each sampling request's last
+        row, and with speculation one more per draft (in scheduled order)."""
+        if not self.spec_drafts:
+            return self.sample_rows
+        return [row + j for row, drafts in zip(self.sample_rows, self.spec_drafts)
+                for j in range(len(drafts) + 1)]
+
+    def for_ranks(self) -> StepInputs:
+        """What other ranks need of the step (sent to them each step): no Request objects."""
+        return dataclasses.replace(self, sample_requests=[])
+
+    def split(self, parts: int) -> list[StepInputs]:
+        """The step as up to `parts` micro-batches of whole sequences (pipeline parallelism),
+        in order: their logit rows, concatenated, are the step's."""
+        n = len(self.seq_lens)
+        parts = max(1, min(parts, n))
+        bounds = [round(i * n / parts) for i in range(parts + 1)]
+        qsl = self.query_start_loc.tolist()
+        out = []
+        for a, b in zip(bounds, bounds[1:]):
+            t0, t1 = qsl[a], qsl[b]
+            keep = [i for i, row in enumerate(self.sample_rows) if t0 <= row < t1]
+            drafts = [self.spec_drafts[i] for i in keep] if self.spec_drafts else []
+            out.append(StepInputs(
+                self.input_ids[t0:t1], self.positions[t0:t1], self.slot_mapping[t0:t1],
+                self.block_tables[a:b], self.seq_lens[a:b], self.query_lens[a:b],
+                self.query_start_loc[a:b + 1] - t0, [self.sample_rows[i] - t0 for i in keep],
+                [self.sample_requests[i] for i in keep] if self.sample_requests else [],
+                drafts if any(drafts) else []))
+        return out
+
+    @classmethod
+    def profile(cls, num_tokens: int, block_size: int) -> StepInputs:
+        """One prompt of `num_tokens` tokens over blocks 0.., its last row sampled (the
+        memory profile's forward)."""
+        tables = torch.arange(-(-num_tokens // block_size), dtype=torch.int32)[None, :]  # [1, num_blocks]
+        return cls(torch.zeros(num_tokens, dtype=torch.long), torch.arange(num_tokens), torch.arange(num_tokens),
+                   tables, [num_tokens], [num_tokens], torch.tensor([0, num_tokens], dtype=torch.int32),
+                   [num_tokens - 1], [], [])
 
     @classmethod
     def build(cls, out: SchedulerOutput, tables: BlockTables, block_size: int) -> StepInputs:

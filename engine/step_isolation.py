@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from .executor import StepResult
+from .executor import EngineDeadError, StepResult
 from .request import Request
 from .scheduler import SchedulerOutput
 
@@ -24,6 +24,8 @@ def run_isolating(run: Callable[[SchedulerOutput], StepResult],
     """The step's result for the rows that ran, and the exception of each row that failed."""
     try:
         return run(out), {}
+    except EngineDeadError:
+        raise  # no request's fault: re-running parts of the step cannot help
     except Exception as exc:
         if len(out.scheduled) == 1:
             log.exception("step failed for request %s alone", out.scheduled[0].request.request_id)

@@ -54,6 +54,7 @@ from .gpu_check_correctness import run_correctness
 from .gpu_check_e2e import run_end_to_end
 from .gpu_check_graphs import format_graphs, run_decode_graphs
 from .gpu_check_quant import format_quant_gemm, run_quant_gemm
+from .gpu_check_parallel import format_parallel, run_parallel
 from .gpu_check_spec import format_speculative, run_speculative
 
 LLAMA3_8B = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
@@ -314,6 +315,8 @@ def format_table(results: dict[str, Any]) -> str:
         lines += format_graphs(results["graphs"])
     if results.get("speculative"):
         lines += format_speculative(results["speculative"])
+    if "parallel" in results:
+        lines += format_parallel(results["parallel"])
     if results.get("quant_gemm"):
         lines += format_quant_gemm(results["quant_gemm"])
     e2e = results.get("e2e")
@@ -398,13 +401,14 @@ def main(argv: list[str] | None = None) -> int:
             results["graphs"] = run_decode_graphs(results.get("copy_bandwidth", {}).get("gb_per_s"),
                                                   deadline - E2E_MIN_SECONDS, layers=args.graphs_layers)
         save()
-        if args.skip_e2e:
-            results["speculative"] = {"skipped": "--skip-e2e"}
-        elif deadline - time.monotonic() < E2E_MIN_SECONDS + SPEC_MIN_SECONDS:
-            results["speculative"] = {"skipped": "out of time budget"}
-        else:
-            results["speculative"] = run_speculative(deadline - E2E_MIN_SECONDS, layers=args.graphs_layers)
-        save()
+        for part, run_part in (("speculative", run_speculative), ("parallel", run_parallel)):
+            if args.skip_e2e:
+                results[part] = {"skipped": "--skip-e2e"}
+            elif deadline - time.monotonic() < E2E_MIN_SECONDS + SPEC_MIN_SECONDS:
+                results[part] = {"skipped": "out of time budget"}
+            else:
+                results[part] = run_part(deadline - E2E_MIN_SECONDS, layers=args.graphs_layers)
+            save()
         e2e_reserve = 0 if args.skip_e2e else E2E_MIN_SECONDS  # a kernel benchmark: runs with --skip-e2e too
         if deadline - time.monotonic() < e2e_reserve + QUANT_MIN_SECONDS:
             results["quant_gemm"] = {"skipped": "out of time budget"}

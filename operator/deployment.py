@@ -10,6 +10,7 @@ import json
 from .model_download import MODEL_CACHE_VOLUME, cache_volume, init_container, pinned_source, remote_source
 from .objects import (HTTP_PORT, TUNING_DIR, TUNING_FILE, Owner, metadata, selector_labels,
                       tuning_configmap_name)
+from .parallel import parallel_args
 from .simulate import SIMULATED_LABEL, sim_model_projection, simulate_args
 from .spec import LLMDeploymentSpec
 
@@ -60,6 +61,7 @@ def engine_args(owner: Owner, spec: LLMDeploymentSpec, model_arg: str | None) ->
         args += ["--kv-cache-memory", str(e.kv_cache_memory)]
     elif e.gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
+    args += parallel_args(spec)  # resources.gpus' GPUs for one engine (or the spec's split of them)
     if e.simulate is not None:
         args += simulate_args(e.simulate)
     if e.speculative is not None:  # K here is the most; the tuning file sets the value in effect

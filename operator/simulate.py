@@ -4,6 +4,7 @@ simulated pods by, and the short form status.simulated shows."""
 from __future__ import annotations
 
 from .objects import TUNING_DIR
+from .parallel import parallel_sizes
 from .spec import GROUP, LLMDeploymentSpec, SimulateSpec
 
 SIMULATED_LABEL = f"{GROUP}/simulated"
@@ -18,6 +19,8 @@ def simulate_args(sim: SimulateSpec) -> list[str]:
         args += ["--simulate-output-len", sim.output_len]
     if sim.load_seconds:
         args += ["--simulate-load-seconds", f"{sim.load_seconds:g}"]
+    if sim.interconnect is not None:
+        args += ["--simulate-interconnect", sim.interconnect]
     return args
 
 
@@ -32,9 +35,11 @@ def sim_model_projection(sim: SimulateSpec) -> dict | None:
 
 
 def simulated_summary(spec: LLMDeploymentSpec) -> str | None:
-    """status.simulated: ACCEL/MODEL, or ACCEL/configmap:NAME; None for a real GPU or CPU pod."""
+    """status.simulated: ACCEL/MODEL, or ACCEL/configmap:NAME, with Nx before ACCEL when one
+    engine spans N simulated GPUs; None for a real GPU or CPU pod."""
     sim = spec.engine.simulate
     if sim is None:
         return None
     model = sim.model if sim.model is not None else f"configmap:{sim.model_config_map.name}"
-    return f"{sim.accelerator}/{model}"
+    gpus = parallel_sizes(spec)[0]
+    return f"{f'{gpus}x' if gpus > 1 else ''}{sim.accelerator}/{model}"

@@ -42,6 +42,8 @@ OUTPUT_LEN_PATTERN = (rf"^(fixed:{_POSITIVE}|exponential:{_POSITIVE}"
 # The engine's presets (engine/sim/hardware.py and shapes.py; a test keeps them equal).
 SimulatedAccelerator = Literal["h200", "h100-80gb", "a100-80gb", "l40s", "l4", "a10g"]
 SimulatedModel = Literal["llama-3.1-8b", "llama-3.1-70b", "qwen2.5-7b", "mistral-7b"]
+SimulatedInterconnect = Literal["nvlink4", "nvlink3", "pcie5", "pcie4"]
+MAX_PARALLEL_SIZE = 16  # the engine's (engine/config.py) and resources.gpus' limit
 
 Quantity = Union[int, str]  # rendered as int-or-string with the Kubernetes quantity pattern
 
@@ -169,8 +171,15 @@ class SimulateSpec(Model):
         default=None, ge=0, le=3600,
         description="Seconds the simulated model takes to load before the pod is ready (a real 8B "
                     "model: about a minute); default 0.")
+    interconnect: Optional[SimulatedInterconnect] = Field(
+        default=None, description="With more than one GPU an engine (tensor parallelism): the link its "
+                                  "all-reduces cross, nvlink4 (H100/H200 SXM), nvlink3 (A100 SXM), pcie5 "
+                                  "or pcie4; default the accelerator's.")
 
 
+PARALLEL_USES_ALL_GPUS = ("engine.tensorParallelSize x engine.pipelineParallelSize must equal resources.gpus "
+                          "(one rank a GPU; tensorParallelSize defaults to resources.gpus / pipelineParallelSize)")
+PIPELINE_NOT_SIMULATED = "engine.pipelineParallelSize > 1 is not modelled by engine.simulate"
 SPECULATIVE_NEEDS_METHOD = "engine.speculative needs method ngram, or model (a draft model)"
 DRAFT_NEEDS_MODEL = "engine.speculative.model is required for method draft_model"
 NGRAM_TAKES_NO_MODEL = "engine.speculative.model is for a draft model; method ngram takes none"
@@ -229,6 +238,8 @@ class EngineSpec(Model):
              "engine.quantization is not modelled by engine.simulate", ".quantization"),
         rule("!has(self.kvCacheDtype) || self.kvCacheDtype == 'auto' || !has(self.simulate)",
              "engine.kvCacheDtype fp8 is not modelled by engine.simulate", ".kvCacheDtype"),
+        rule("!has(self.pipelineParallelSize) || self.pipelineParallelSize == 1 || !has(self.simulate)",
+             PIPELINE_NOT_SIMULATED, ".pipelineParallelSize"),
     ]})
     image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=512)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
@@ -262,10 +273,22 @@ class EngineSpec(Model):
         default=None, description="The KV cache's element type (the engine's --kv-cache-dtype): auto = "
                                   "the model's dtype; fp8 (= fp8_e4m3) holds 2x the tokens of a 16-bit "
                                   "cache in the same memory, read by the torch attention path.")
+    tensor_parallel_size: Optional[int] = Field(
+        default=None, ge=1, le=MAX_PARALLEL_SIZE,
+        description="GPUs each layer is split over (the engine's --tensor-parallel-size, one rank a GPU, "
+                    "the KV cache split by KV head); default resources.gpus / pipelineParallelSize, so "
+                    "resources.gpus: 4 is one engine over four GPUs. Without GPUs: CPU worker processes, "
+                    "or the simulated accelerator's GPUs.")
+    pipeline_parallel_size: Optional[int] = Field(
+        default=None, ge=1, le=MAX_PARALLEL_SIZE,
+        description="Pipeline stages the layers are split into (the engine's --pipeline-parallel-size); "
+                    "default 1. tensorParallelSize x pipelineParallelSize must equal resources.gpus.")
 
 
 class Resources(Model):
-    gpus: int = Field(default=0, ge=0, le=16, description="nvidia.com/gpu per replica.")
+    gpus: int = Field(default=0, ge=0, le=MAX_PARALLEL_SIZE,
+                      description="nvidia.com/gpu per replica, all for one engine: by default "
+                                  "--tensor-parallel-size resources.gpus (see engine.tensorParallelSize).")
     cpu: Quantity = "1"
     memory: Quantity = "2Gi"
 
@@ -376,6 +399,11 @@ class LLMDeploymentSpec(Model):
              "engine.gpuMemoryUtilization needs resources.gpus > 0", ".engine.gpuMemoryUtilization"),
         rule("has(self.model.source) || has(self.engine.simulate)",
              "model.source is required unless engine.simulate is set", ".model.source"),
+        # Integer division: an unset tensorParallelSize is gpus / pp, which passes only when pp divides gpus.
+        rule("self.resources.gpus == 0 || (has(self.engine.tensorParallelSize) ? self.engine.tensorParallelSize : "
+             "self.resources.gpus / (has(self.engine.pipelineParallelSize) ? self.engine.pipelineParallelSize : 1))"
+             " * (has(self.engine.pipelineParallelSize) ? self.engine.pipelineParallelSize : 1) == self.resources.gpus",
+             PARALLEL_USES_ALL_GPUS, ".engine.tensorParallelSize"),
         rule("!has(self.autotune.numSpeculativeTokens) || has(self.engine.speculative)",
              SPEC_BOUNDS_NEED_SPECULATIVE, ".autotune.numSpeculativeTokens"),
         rule("!has(self.autotune.numSpeculativeTokens) || !has(self.engine.speculative) || "
@@ -429,6 +457,8 @@ def validate_spec(spec: LLMDeploymentSpec) -> None:
     if e.speculative is not None:
         validate_speculative(e.speculative)
     validate_spec_bounds(spec)
+    from .parallel import validate_parallel
+    validate_parallel(spec)
 
 
 def validate_speculative(sp: SpeculativeSpec) -> None:

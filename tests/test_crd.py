@@ -99,7 +99,8 @@ def test_the_example_fields_exist_with_defaults_and_validation():
     assert conds["x-kubernetes-list-type"] == "map" and conds["x-kubernetes-list-map-keys"] == ["type"]
 
 
-@pytest.mark.parametrize("example", ["llmdeployment-tiny.yaml", "llmdeployment-simulated.yaml"])
+@pytest.mark.parametrize("example", ["llmdeployment-tiny.yaml", "llmdeployment-simulated.yaml",
+                                     "llmdeployment-simulated-70b.yaml"])
 def test_example_is_valid_against_field_names(example):
     doc = yaml.safe_load((ROOT / "examples" / example).read_text())
     props = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]

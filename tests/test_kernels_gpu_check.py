@@ -165,6 +165,25 @@ def test_gpu_check_speculative_part_runs_on_a_tiny_cpu_model():
     assert any(line.strip().startswith("draft") and "x" in line for line in lines)
 
 
+def test_gpu_check_parallel_part_runs_on_a_tiny_cpu_model():
+    """The tensor-parallel part on the CPU: the multi-process code path with one rank (a
+    gloo group of 1 here, NCCL on the GPU) gives the plain engine's greedy tokens and reads
+    the whole checkpoint once."""
+    import time
+
+    from kvpilot.kernels.gpu_check_parallel import format_parallel, run_parallel
+
+    tiny = {"hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab": 512}
+    result = run_parallel(time.monotonic() + 300, layers=2, shape=tiny, dtype="float32", device="cpu",
+                          prompt_len=32, decode_tokens=12, llm_kwargs={"kv_cache_memory": "16Mi"})
+    assert "error" not in result, result.get("traceback")
+    assert result["same_tokens"], result
+    assert "1 ranks (tensor parallel 1 x pipeline 1, gloo)" in result["parallel_executor_world_1"]["describe"]  # 1 rank: no shm
+    read = result["parallel_executor_world_1"]["load_bytes_read"]
+    assert result["checkpoint_bytes"] <= read < result["checkpoint_bytes"] * 1.01
+    assert any("greedy tokens equal" in line for line in format_parallel(result))
+
+
 def test_gpu_check_quant_part_runs_on_the_cpu_interpreter():
     """The quant GEMM part's plumbing (weights, correctness first, timing, rows, table) on
     tiny shapes under the interpreter with a plain timer, so its first GPU run is not its

@@ -14,9 +14,16 @@ from torch import nn
 from ..attention import PagedAttention
 from ..attention_metadata import AttentionMetadata
 from ..model_config import ModelConfig
+from ..parallel.sharding import ModelShard
 from .rotary import RopeTables, RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
+WHOLE = ModelShard()  # one process holds the whole model
+
+
+def _all_reduce(group, x: torch.Tensor) -> torch.Tensor:
+    """A row-parallel layer's partial sums added over the tensor-parallel ranks."""
+    return x if group is None else group.all_reduce(x)
 
 
 class RMSNorm(nn.Module):
@@ -32,10 +39,15 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn: PagedAttention) -> None:
+    """Column-parallel q/k/v (whole heads per rank), row-parallel o: with tensor parallelism
+    a rank attends over its own heads and its own slice of the KV cache."""
+
+    def __init__(self, cfg: ModelConfig, attn: PagedAttention, shard: ModelShard = WHOLE,
+                 group=None) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_heads = cfg.num_attention_heads // shard.tp_size
+        self.num_kv_heads = cfg.num_key_value_heads // shard.tp_size
+        self.group = group
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.q_size = self.num_heads * self.head_dim
@@ -61,27 +73,46 @@ class Attention(nn.Module):
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [T, H, D], [T, KVH, D]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         o = self.attn(q, k, v, kv[0], kv[1], meta, self.scale, self.k_scale, self.v_scale)  # [T, H, D]
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return _all_reduce(self.group, self.o_proj(o.reshape(t, self.num_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: ModelShard = WHOLE, group=None) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
+        self.intermediate_size = cfg.intermediate_size // shard.tp_size
+        self.group = group
         # gate and up in one matmul: the checkpoint's gate_proj then up_proj rows.
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate).mul_(up))
+        return _all_reduce(self.group, self.down_proj(F.silu(gate).mul_(up)))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the (padded) vocabulary; ids outside them look up zeros, and
+    the all-reduce adds the one rank's row that holds each id."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, shard: ModelShard, group) -> None:
+        super().__init__()
+        self.first, rows = shard.vocab_rows(vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+        self.group = group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        local = ids - self.first  # [T]
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, hidden]
+        return self.group.all_reduce(x.masked_fill_(outside[:, None], 0))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn: PagedAttention) -> None:
+    def __init__(self, cfg: ModelConfig, attn: PagedAttention, shard: ModelShard = WHOLE,
+                 group=None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, attn)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, attn, shard, group)
+        self.mlp = MLP(cfg, shard, group)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -94,34 +125,50 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn: PagedAttention, max_positions: int) -> None:
+    """The decoder, or one rank's part of it (`shard`): a pipeline stage's layers (numbered
+    from 0 here), the embedding on the first stage, the final norm on the last."""
+
+    def __init__(self, cfg: ModelConfig, attn: PagedAttention, max_positions: int,
+                 shard: ModelShard = WHOLE, group=None) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, attn) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens = None
+        if shard.has_embedding:
+            self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if shard.tp_size == 1
+                                 else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard, group))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, attn, shard, group)
+                                    for _ in range(shard.num_layers(cfg)))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if shard.has_head else None
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn: PagedAttention, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, attn: PagedAttention, max_positions: int,
+                 shard: ModelShard = WHOLE, group=None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, attn, max_positions)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        self.shard = shard
+        self.group = group
+        self.model = LlamaModel(cfg, attn, max_positions, shard, group)
+        self.lm_head = None
+        if shard.has_head:
+            rows = cfg.vocab_size if shard.tp_size == 1 else shard.vocab_rows(cfg.vocab_size)[1]
+            self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
+        self._tie()
+
+    def _tie(self) -> None:
+        if self.config.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
     def build(
         cls, cfg: ModelConfig, attn: PagedAttention, max_positions: int,
-        dtype: torch.dtype, device: torch.device,
+        dtype: torch.dtype, device: torch.device, shard: ModelShard = WHOLE, group=None,
     ) -> LlamaForCausalLM:
         """Allocate on the target device without a throwaway random init."""
         with torch.device("meta"):
-            model = cls(cfg, attn, max_positions)
+            model = cls(cfg, attn, max_positions, shard, group)
         model = model.to_empty(device=device).to(dtype)
-        if cfg.tie_word_embeddings:  # to_empty replaces parameters one module at a time
-            model.lm_head.weight = model.model.embed_tokens.weight
+        model._tie()  # to_empty replaces parameters one module at a time
         model.model.rotary.build(device)
         return model.eval()
 
@@ -131,15 +178,19 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
-        x = self.model.embed_tokens(input_ids)
+        hidden: torch.Tensor | None = None,  # [T, hidden]: the previous pipeline stage's output
+    ) -> torch.Tensor:  # [T, hidden]: normed on the last stage
+        x = self.model.embed_tokens(input_ids) if hidden is None else hidden
         rope = self.model.rotary.tables(positions, x.dtype)
         for layer, kv in zip(self.model.layers, kv_caches):
             x = layer(rope, x, kv, meta)
-        return self.model.norm(x)
+        return x if self.model.norm is None else self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()  # [N, vocab / tp, padded]
+        if self.shard.tp_size == 1:
+            return logits
+        return self.group.gather_last_dim(logits)[:, :self.config.vocab_size]  # [N, vocab]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a Hugging Face checkpoint's tensors in by name; q/k/v and gate/up go into

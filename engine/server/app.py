@@ -130,6 +130,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, tuning_file: str | 
 
     @app.get("/health", openapi_extra=no_body_responses(503))
     async def health():
+        failure = engine.failure
+        if failure is not None:
+            raise APIError(503, f"engine failed: {failure}")
         if state.draining:
             raise APIError(503, "draining: the server is shutting down")
         return Response(status_code=200)

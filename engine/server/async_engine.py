@@ -16,6 +16,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Callable
 
+from ..executor import EngineDeadError
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .metrics import ServerMetrics
@@ -60,11 +61,18 @@ class AsyncEngine:
         self._thread.start()
 
     async def stop(self) -> None:
-        """Abort whatever is left and stop the engine thread."""
+        """Abort whatever is left, stop the engine thread, then the engine's other ranks."""
         self.abort_all()
         self._commands.put(None)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+        await asyncio.to_thread(self.engine.shutdown)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine failed for good, or None: a string the executor sets once (a
+        rank's watcher thread), so the event loop may read it."""
+        return self.engine.failure()
 
     # --- what the server reads of the engine --------------------------------------------
     # The one door: the tokenizer is fixed at start-up (and thread-safe), and the live
@@ -194,7 +202,8 @@ class AsyncEngine:
                     outputs = engine.step()
                 except Exception as exc:  # outside any one request (step_isolation): fail all, keep serving
                     log.exception("engine step failed")
-                    self._fail_all(f"engine step failed: {type(exc).__name__}")
+                    self._fail_all(str(exc) if isinstance(exc, EngineDeadError)
+                                   else f"engine step failed: {type(exc).__name__}")
                     outputs = []
                 if outputs:
                     self._dispatch(outputs)

@@ -2,14 +2,19 @@
 
 Draining: /health turns 503 so the pod leaves the Service, new generation requests get
 503, requests in flight run to completion for up to the drain timeout (then are aborted),
-and the process exits 0. A second signal exits at once."""
+and the process exits 0. A second signal exits at once.
+
+An engine that fails for good (a tensor/pipeline-parallel rank died) turns /health to 503
+and exits 1 at once, aborting what is in flight: the pod restarts, it does not hang."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import os
 import signal
+import threading
 
 import h11
 import uvicorn
@@ -20,6 +25,11 @@ from .serving_common import ServerState
 
 log = logging.getLogger("kvpilot.server")
 
+ENGINE_WATCH_S = 0.2  # how often the server looks for a failed engine
+# After an engine failure the process exits by this deadline even if shutting down hangs
+# (the engine thread may be stuck in a collective with a rank that is gone).
+FAILED_EXIT_DEADLINE_S = 5.0
+
 
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
@@ -27,10 +37,31 @@ class DrainingServer(uvicorn.Server):
         self.state = state
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
+        self.exit_code = 0
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        watch = asyncio.ensure_future(self._watch_engine())
+        try:
+            await super().serve(sockets)
+        finally:
+            watch.cancel()
+
+    async def _watch_engine(self) -> None:
+        while not self.should_exit:
+            failure = self.state.engine.failure
+            if failure is not None:
+                log.error("engine failed: %s; /health is 503, aborting %d requests, exiting with code 1",
+                          failure, self.state.engine.num_active)
+                self.state.draining = True
+                self.exit_code = 1
+                timer = threading.Timer(FAILED_EXIT_DEADLINE_S, os._exit, (1,))
+                timer.daemon = True
+                timer.start()
+                self.state.engine.abort_all()
+                self.should_exit = True
+                return
+            await asyncio.sleep(ENGINE_WATCH_S)
 
     def handle_exit(self, sig: int, frame) -> None:  # called by uvicorn's signal handler
         if self.state.draining or self._loop is None:
@@ -128,4 +159,4 @@ def run_server(app, state: ServerState, host: str, port: int, *, access_log: boo
     )
     server = DrainingServer(config, state)
     asyncio.run(server.serve())
-    return 0
+    return server.exit_code

@@ -138,15 +138,19 @@ def _cmd_describe(args: argparse.Namespace) -> int:
           f"{config.block_size}); {ex.model.kv_bytes_per_token} bytes per token; holds "
           f"{engine.kv_capacity_tokens // engine.max_model_len} sequences of max_model_len "
           f"{engine.max_model_len}")
+    tp = ex.parallel
     print("\nstep times (modelled):")
-    print(f"{'step':<34}{'time ms':>9}{'tokens/s':>11}  bound")
+    # With tensor parallelism, the all-reduces' share of each step (included in its time).
+    comm_head = f"{'all-reduce ms':>14}" if tp.size > 1 else ""
+    print(f"{'step':<34}{'time ms':>9}{'tokens/s':>11}{comm_head}  bound")
     for label, shape in [(f"decode batch {b}, context {c}", BatchShape.of([(1, c)] * b))
                          for b, c in ((1, 1024), (8, 1024), (32, 1024), (64, 2048), (128, 2048), (256, 2048))
                          ] + [(f"one prefill of {n} tokens", BatchShape.of([(n, n)])) for n in (512, 2048, 8192)]:
-        cost = step_cost(ex.model, ex.accelerator, shape)
+        cost = step_cost(ex.model, ex.accelerator, shape, tp)
         rate = (shape.num_sampled if shape.num_tokens == shape.num_seqs else shape.num_tokens) / cost.total_s
         bound = "memory" if cost.gemm_memory_bound else "compute"
-        print(f"{label:<34}{cost.total_s * 1000:>9.2f}{rate:>11.0f}  {bound}")
+        comm = f"{cost.communication_s * 1000:>14.2f}" if tp.size > 1 else ""
+        print(f"{label:<34}{cost.total_s * 1000:>9.2f}{rate:>11.0f}{comm}  {bound}")
     return 0
 
 
@@ -256,10 +260,13 @@ def _cmd_published(args: argparse.Namespace) -> int:
     from .published import compare
 
     rows = compare()
-    print("SIMULATED (uncalibrated presets) vs published vLLM measurements, Llama-3.1-8B bf16")
+    print("SIMULATED (uncalibrated presets) vs published vLLM measurements, bf16")
     for r in rows:
-        print(f"{r['what']:<88} published {r['published']:8.2f} {r['unit']:<5} simulated "
-              f"{r['simulated']:8.2f}  {r['error']:+.0%}\n{'':<4}source: {r['source']}")
+        published = f"{r['published']:8.2f}" if r["published"] is not None else f"{'n/a':>8}"
+        error = f"{r['error']:+.0%}" if r["error"] is not None else ""
+        gpus = f" x{r['tensor_parallel_size']}" if r["tensor_parallel_size"] > 1 else ""
+        print(f"{r['model']}{gpus}: {r['what']}\n{'':<4}published {published} {r['unit']:<5} simulated "
+              f"{r['simulated']:8.2f}  {error}\n{'':<4}source: {r['source']}")
     if args.json:
         print(json.dumps(rows, indent=2))
     return 0

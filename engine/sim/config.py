@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..quantity import parse_bytes
+from .hardware import INTERCONNECTS
 from .tokens import OutputLengths
 
 DEFAULT_OUTPUT_LEN = "lognormal:256:1.0"
@@ -26,6 +27,10 @@ class SimulationConfig:
         "help": "override the accelerator's peak memory bandwidth, GB/s"})
     tflops: float | None = field(default=None, metadata={
         "help": "override the accelerator's dense bf16 peak, TFLOP/s"})
+    interconnect: str | None = field(default=None, metadata={
+        "help": "with --tensor-parallel-size > 1: the link the all-reduces cross, nvlink4 "
+                "(H100/H200 SXM), nvlink3 (A100 SXM), pcie5 or pcie4 (default: the "
+                "accelerator's, pcie4 for L40S, L4, A10G and JSON files that name none)"})
     output_len: str = field(default=DEFAULT_OUTPUT_LEN, metadata={
         "help": "where EOS comes unless a request ignores it: fixed:N, uniform:LO:HI, "
                 "exponential:MEAN or lognormal:MEDIAN:SIGMA"})
@@ -52,6 +57,9 @@ class SimulationConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not 0 < value < 1e7):
                 raise ValueError(f"simulate_{name} must be a positive number, got {value!r}")
+        if self.interconnect is not None and self.interconnect not in INTERCONNECTS:
+            raise ValueError(f"simulate_interconnect must be one of {', '.join(INTERCONNECTS)}, "
+                             f"got {self.interconnect!r}")
         v = self.load_seconds
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 3600:
             raise ValueError(f"simulate_load_seconds must be a number in [0, 3600], got {v!r}")

@@ -10,7 +10,12 @@ simulate.spec_acceptance (speculation.py), and a step verifies them here: a deco
 carries K' drafts is one sequence with a (1 + K')-token query, so it costs 1 + K' rows
 of GEMM compute and LM head but reads its KV once, and yields the accepted drafts plus
 one token; the tokens are those it would have produced one step at a time. A draft
-model's passes (simulate.spec_draft_cost) are added to the step that verifies them."""
+model's passes (simulate.spec_draft_cost) are added to the step that verifies them.
+
+With tensor_parallel_size N (parallel.py) the executor is one engine over N GPUs: its KV
+cache is the N GPUs' together (block bookkeeping is per engine, as in the real driver, and
+each block spans every GPU's share of the KV heads), and each step costs one GPU's share
+plus the all-reduces."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from ..executor import StepResult
 from ..scheduler import SchedulerOutput
 from ..tokenizer import Tokenizer
 from .hardware import Accelerator, resolve_accelerator
+from .parallel import SINGLE_GPU, TensorParallel, tensor_parallel
 from .shapes import ModelShape, resolve_model_shape
 from .speculation import SimulatedDrafts, draft_cost, draft_time
 from .timing import BatchShape, MemoryPlan, plan_memory, step_time
@@ -46,12 +52,14 @@ def _token_range(tokenizer: Tokenizer) -> tuple[int, int]:
 
 class SimulatedExecutor:
     def __init__(self, config: EngineConfig, clock, model: ModelShape, accelerator: Accelerator,
-                 tokenizer: Tokenizer) -> None:
+                 tokenizer: Tokenizer, parallel: TensorParallel = SINGLE_GPU) -> None:
         sim = config.simulate
         self.config, self.clock = config, clock
         self.model, self.accelerator, self.tokenizer = model, accelerator, tokenizer
+        self.parallel = parallel
         self.vocab_size = model.vocab_size
         self.max_position_embeddings = model.max_position_embeddings
+        # All KV heads and all weights: the engine's totals, whatever the GPUs it spans.
         self.kv_bytes_per_block = model.kv_bytes_per_token * config.block_size
         self.kv_cache_element_bytes = model.dtype_bytes
         self.weight_bytes = model.weight_bytes
@@ -73,18 +81,21 @@ class SimulatedExecutor:
             sim.accelerator, sim.calibration, memory_bytes=sim.memory,
             bandwidth=sim.bandwidth_gbps * GB if sim.bandwidth_gbps else None,
             flops=sim.tflops * TFLOP if sim.tflops else None)
+        parallel = tensor_parallel(config, model, acc)
         executor = cls(config, clock, model, acc, simulated_tokenizer(model.tokenizer_dir,
-                                                                      model.max_position_embeddings))
+                                                                      model.max_position_embeddings), parallel)
         if sim.load_seconds:
             log.info("simulating model loading: %.0f s", sim.load_seconds)
             clock.sleep_until(clock.now() + sim.load_seconds)  # on a virtual clock, a jump
         return executor
 
     def describe(self) -> str:
-        acc = self.accelerator
+        acc, tp = self.accelerator, self.parallel
         plan = f"; {self.memory.describe()}" if self.memory else ""
-        return (f"SIMULATED {acc.name} ({acc.memory_bytes / 2**30:.0f} GiB, "
-                f"{acc.bandwidth / GB:.0f} GB/s, {acc.flops / TFLOP:.0f} TFLOP/s) serving "
+        gpus = f"{tp.size}x " if tp.size > 1 else ""
+        link = f", {tp.describe()}" if tp.size > 1 else ""
+        return (f"SIMULATED {gpus}{acc.name} ({acc.memory_bytes / 2**30:.0f} GiB, "
+                f"{acc.bandwidth / GB:.0f} GB/s, {acc.flops / TFLOP:.0f} TFLOP/s{link}) serving "
                 f"{self.model.name} in {self.model.dtype} ({self.model.num_params / 1e9:.2f}B "
                 f"parameters){plan}")
 
@@ -92,7 +103,7 @@ class SimulatedExecutor:
         if self.config.kv_cache_memory is not None:
             return self.config.kv_cache_memory
         self.memory = plan_memory(self.model, self.accelerator, self.config.gpu_memory_utilization,
-                                  self.config.max_num_batched_tokens, self.config.max_num_seqs)
+                                  self.config.max_num_batched_tokens, self.config.max_num_seqs, self.parallel)
         return self.memory.kv_cache_bytes
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -100,6 +111,12 @@ class SimulatedExecutor:
 
     def release_loader_threads(self) -> None:
         pass  # no torch, no thread pools
+
+    def failure(self) -> str | None:
+        return None  # one process, nothing to lose
+
+    def shutdown(self) -> None:
+        pass  # no other processes
 
     def counters(self) -> dict[str, float]:
         return {"simulated_steps": float(self.num_steps), "simulated_busy_seconds": self.busy_s,
@@ -126,8 +143,8 @@ class SimulatedExecutor:
                     drafted.append(end - k)
                     passes = max(passes, k)
         # num_sampled: logit rows, which is sequences sampled when nothing is drafted.
-        duration = step_time(self.model, self.accelerator, BatchShape.of(shape, logit_rows))
-        duration += draft_time(self.model, self.accelerator, drafted, passes, self.draft_cost)
+        duration = step_time(self.model, self.accelerator, BatchShape.of(shape, logit_rows), self.parallel)
+        duration += draft_time(self.model, self.accelerator, drafted, passes, self.draft_cost, self.parallel)
         self.busy_s += duration
         self.num_steps += 1
         # A busy engine's steps follow each other on the modelled timeline: the host work in

@@ -159,7 +159,8 @@ class Fleet:
         self.retired: list[Replica] = []
         self._ids = itertools.count()
         self._starting: list[float] = []  # when replicas being added become ready
-        # (time, GPUs held from then on): serving, starting and draining replicas all hold one.
+        # (time, GPUs held from then on): serving, starting and draining replicas all hold
+        # theirs, world_size each (tensor_parallel_size x pipeline_parallel_size).
         self.gpu_timeline: list[tuple[float, int]] = []
         self.num_speculative_tokens: int | None = None  # a live K set_limits applied, if any
         for _ in range(replicas):
@@ -219,14 +220,14 @@ class Fleet:
             self.num_speculative_tokens = spec_k
 
     def _record_gpus(self) -> None:
-        n = len(self.replicas) + len(self._starting)
+        n = (len(self.replicas) + len(self._starting)) * self.config.world_size
         if self.gpu_timeline and self.gpu_timeline[-1][0] == self.now:
             self.gpu_timeline[-1] = (self.now, n)
         elif not self.gpu_timeline or self.gpu_timeline[-1][1] != n:
             self.gpu_timeline.append((self.now, n))
 
     def gpu_seconds(self, start: float, end: float) -> float:
-        """GPU-seconds held between start and end (a replica holds its GPU from the moment it
+        """GPU-seconds held between start and end (a replica holds its GPUs from the moment it
         is asked for until it has drained, like a pod from scheduling to termination)."""
         return gpu_seconds(self.gpu_timeline, start, end)
 

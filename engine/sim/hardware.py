@@ -19,7 +19,26 @@ large bf16 GEMMs at about 70 % of the dense peak, FlashAttention-style kernels a
 (scheduling, input preparation, kernel launches) defaults to 1 ms plus 15 us per
 sequence: with CUDA graphs, vLLM's batch-1 decode of Llama-3.1-8B runs within about 1 ms
 of the weight-streaming time on H100 and A100 (README, "Fidelity"). `kvpilot sim
-calibrate` replaces all of these from measured step times."""
+calibrate` replaces all of these from measured step times.
+
+Interconnects (what tensor parallelism's all-reduces cross, engine/sim/parallel.py): an
+effective all-reduce bus bandwidth per direction and a latency per ring step, from
+datasheets and published nccl-tests runs:
+- nvlink4 (H100/H200 SXM, NVSwitch): 450 GB/s, the datasheet's 900 GB/s bidirectional
+  NVLink halved; nccl-tests all_reduce_perf on 8x H100 SXM reaches a busbw of 460-480 GB/s
+  (docs.alayanew.com/en/docs/tech-blog/2026-05-06-nccl-tests, reference table). 0.6 us a
+  ring step: a 1 KB ring all-reduce over 4 NVLink H800s takes 3.5 us without CUDA graphs,
+  6 steps (github.com/NVIDIA/nccl/issues/1984).
+- nvlink3 (A100 SXM): 230 GB/s, the busbw measured on 8x A100 SXM4 (200-250 GB/s:
+  github.com/NVIDIA/nccl-tests/issues/149 and the table above) against a datasheet 300 GB/s
+  a direction (600 GB/s bidirectional); 0.6 us a step, as nvlink4.
+- pcie5 (PCIe Gen5 x16, no NVLink: H100 PCIe): 35 GB/s, the table above's 35-45 GB/s for
+  8x H100 PCIe, and 35 GB/s on 4 PCIe Gen5 GPUs (github.com/NVIDIA/nccl/issues/1639); 3 us a
+  step: an 8-byte all-reduce over 8 PCIe GPUs takes 42 us, 14 steps
+  (github.com/NVIDIA/nccl/issues/1530).
+- pcie4 (PCIe Gen4 x16, no NVLink: L40S, L4, A10G): 20 GB/s, below the 24 GB/s NCCL's
+  topology search assigns a Gen4 x16 link (its log's "PCI[24.0]",
+  github.com/NVIDIA/nccl-tests/issues/307); 3 us a step, as pcie5."""
 
 from __future__ import annotations
 
@@ -29,6 +48,30 @@ from pathlib import Path
 
 GB = 10**9
 TB = 10**12
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """The GPU-to-GPU link one tensor-parallel engine's all-reduces cross."""
+
+    name: str
+    bus_bandwidth: float  # bytes/s per direction, what a ring all-reduce's busbw reaches
+    step_latency_s: float  # per ring step (one send/receive hop)
+    source: str = ""
+
+
+INTERCONNECTS: dict[str, Interconnect] = {i.name: i for i in (
+    Interconnect("nvlink4", 450 * GB, 0.6e-6, "NVLink 4 + NVSwitch (H100/H200 SXM)"),
+    Interconnect("nvlink3", 230 * GB, 0.6e-6, "NVLink 3 + NVSwitch (A100 SXM)"),
+    Interconnect("pcie5", 35 * GB, 3e-6, "PCIe Gen5 x16, no NVLink"),
+    Interconnect("pcie4", 20 * GB, 3e-6, "PCIe Gen4 x16, no NVLink"),
+)}
+
+
+def resolve_interconnect(name: str) -> Interconnect:
+    if name not in INTERCONNECTS:
+        raise ValueError(f"simulate_interconnect: unknown interconnect {name!r}; one of {', '.join(INTERCONNECTS)}")
+    return INTERCONNECTS[name]
 
 
 @dataclass(frozen=True)
@@ -47,6 +90,7 @@ class Accelerator:
     # matrix (a plain softmax(QK^T)V, as the CPU reference does); 0 for fused kernels.
     attention_score_bytes: float = 0.0
     reserved_bytes: int = 1 << 30  # CUDA context, library workspaces, graphs: not for KV
+    interconnect: str = "pcie4"  # between GPUs of one engine (INTERCONNECTS): the part's usual link
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -63,6 +107,9 @@ class Accelerator:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"accelerator {self.name}: {name} must be a non-negative number, got {value!r}")
+        if self.interconnect not in INTERCONNECTS:
+            raise ValueError(f"accelerator {self.name}: interconnect must be one of {list(INTERCONNECTS)}, "
+                             f"got {self.interconnect!r}")
 
     @property
     def effective_bandwidth(self) -> float:
@@ -83,18 +130,19 @@ class Accelerator:
 MIB = 2**20
 
 
-def _preset(name: str, memory_mib: int, bandwidth_gbps: float, tflops: float, source: str) -> Accelerator:
+def _preset(name: str, memory_mib: int, bandwidth_gbps: float, tflops: float, interconnect: str,
+            source: str) -> Accelerator:
     return Accelerator(name=name, memory_bytes=memory_mib * MIB, bandwidth=bandwidth_gbps * GB,
-                       flops=tflops * TB, source=source)
+                       flops=tflops * TB, interconnect=interconnect, source=source)
 
 
 PRESETS: dict[str, Accelerator] = {a.name: a for a in (
-    _preset("h200", 143771, 4800, 989, "NVIDIA H200 datasheet (SXM)"),
-    _preset("h100-80gb", 81559, 3350, 989, "NVIDIA H100 datasheet (SXM)"),
-    _preset("a100-80gb", 81920, 2039, 312, "NVIDIA A100 datasheet (SXM 80GB)"),
-    _preset("l40s", 46068, 864, 362, "NVIDIA L40S datasheet"),
-    _preset("l4", 23034, 300, 121, "NVIDIA L4 datasheet"),
-    _preset("a10g", 23028, 600, 125, "NVIDIA A10 datasheet (AWS A10G is its variant)"),
+    _preset("h200", 143771, 4800, 989, "nvlink4", "NVIDIA H200 datasheet (SXM)"),
+    _preset("h100-80gb", 81559, 3350, 989, "nvlink4", "NVIDIA H100 datasheet (SXM)"),
+    _preset("a100-80gb", 81920, 2039, 312, "nvlink3", "NVIDIA A100 datasheet (SXM 80GB)"),
+    _preset("l40s", 46068, 864, 362, "pcie4", "NVIDIA L40S datasheet"),
+    _preset("l4", 23034, 300, 121, "pcie4", "NVIDIA L4 datasheet"),
+    _preset("a10g", 23028, 600, 125, "pcie4", "NVIDIA A10 datasheet (AWS A10G is its variant)"),
 )}
 
 # Fields a calibration file may set (a fitted overhead and fractions; peaks stay the datasheet's).

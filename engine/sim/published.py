@@ -1,6 +1,7 @@
 """Uncalibrated predictions of the GPU presets beside published measurements of vLLM.
 Each point replays the published workload through the virtual-clock simulator with the
-preset's datasheet figures and default fractions; nothing here was fitted to them."""
+preset's datasheet figures and default fractions (and, over several GPUs, the preset's
+interconnect); nothing here was fitted to them."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ class PublishedPoint:
     what: str
     accelerator: str
     overrides: dict  # SimulationConfig overrides (e.g. an A100 40GB's memory and bandwidth)
-    published: float
+    published: float | None  # None: a prediction with no published figure of its conditions found
     unit: str
     source: str
     measure: Callable[[dict, Fleet], float]  # the simulator's figure for the same quantity
     workload: tuple[int, int, int, int | None]  # (requests, prompt, output tokens, concurrency)
+    model: str = "llama-3.1-8b"  # a shapes.py preset
+    tensor_parallel_size: int = 1
 
 
 def _decode_rate(result: dict, fleet: Fleet) -> float:
@@ -57,15 +60,36 @@ POINTS = [
     PublishedPoint(
         "batch of 8, 32 in / 128 out, end to end (vLLM CI latency_llama8B_tp1, H200)", "h200", {},
         834.1, "ms", "buildkite.com/vllm/performance-benchmark/builds/9513", _batch_latency_ms, (8, 32, 128, None)),
+    # vLLM CI's latency_llama70B_tp4 runs meta-llama/Meta-Llama-3-70B-Instruct (bf16, dummy
+    # weights), whose shape is Llama-3.1-70B's but for the positions (rope scaling, 8K):
+    # the same step costs (.buildkite/nightly-benchmarks/tests/latency-tests.json).
+    PublishedPoint(
+        "batch of 8, 32 in / 128 out, end to end (vLLM CI latency_llama70B_tp4, 4 of 8xH100)", "h100-80gb", {},
+        2444.47, "ms", "buildkite.com/vllm/performance-benchmark/builds/9555", _batch_latency_ms,
+        (8, 32, 128, None), "llama-3.1-70b", 4),
+    PublishedPoint(
+        "batch of 8, 32 in / 128 out, end to end (vLLM CI latency_llama70B_tp4, A100-SXM4-80GB)", "a100-80gb",
+        {}, 3990.59, "ms", "buildkite.com/vllm/performance-benchmark/builds/9523", _batch_latency_ms,
+        (8, 32, 128, None), "llama-3.1-70b", 4),
+    PublishedPoint(
+        "batch of 8, 32 in / 128 out, end to end (vLLM CI latency_llama70B_tp4, H200)", "h200", {},
+        2075.08, "ms", "buildkite.com/vllm/performance-benchmark/builds/9513", _batch_latency_ms,
+        (8, 32, 128, None), "llama-3.1-70b", 4),
+    # The same workload over all eight GPUs: vLLM's CI runs no TP 8 latency test.
+    PublishedPoint(
+        "batch of 8, 32 in / 128 out, end to end (as latency_llama70B_tp4, but tensor parallel 8, 8xH100)",
+        "h100-80gb", {}, None, "ms", "no published figure of these conditions found", _batch_latency_ms,
+        (8, 32, 128, None), "llama-3.1-70b", 8),
 ]
 
 
 def predict(point: PublishedPoint) -> float:
     n, prompt, output, concurrency = point.workload
     trace = [TraceRequest(0.0, prompt, output) for _ in range(n)]
-    config = EngineConfig(model=None, simulate={"accelerator": point.accelerator, "model": "llama-3.1-8b",
+    config = EngineConfig(model=None, simulate={"accelerator": point.accelerator, "model": point.model,
                                                 **point.overrides},
-                          max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192)
+                          max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192,
+                          tensor_parallel_size=point.tensor_parallel_size)
     fleet = Fleet(config, max_concurrency=concurrency)
     fleet.run(trace)
     return point.measure(summarize(fleet), fleet)
@@ -75,6 +99,7 @@ def compare() -> list[dict]:
     rows = []
     for p in POINTS:
         got = predict(p)
-        rows.append({"what": p.what, "accelerator": p.accelerator, "published": p.published, "simulated": got,
-                     "unit": p.unit, "error": got / p.published - 1, "source": p.source})
+        rows.append({"what": p.what, "accelerator": p.accelerator, "model": p.model,
+                     "tensor_parallel_size": p.tensor_parallel_size, "published": p.published, "simulated": got,
+                     "unit": p.unit, "error": got / p.published - 1 if p.published else None, "source": p.source})
     return rows

@@ -25,7 +25,9 @@ def summarize(fleet: Fleet, goodput: dict[str, float] | None = None) -> dict:
     end = max((r.finished for r in ok), default=start)
     duration = end - start
     replicas = fleet.replicas + fleet.retired
-    out = {"simulated": True, "accelerator": replicas[0].engine.runner.accelerator.name,
+    runner = replicas[0].engine.runner
+    out = {"simulated": True, "accelerator": runner.accelerator.name,
+           "tensor_parallel_size": runner.parallel.size,
            **throughput_stats(duration, len(ok), len(reqs) - len(ok), sum(r.prompt_len for r in ok),
                               sum(r.output_tokens for r in ok), {r.error for r in reqs if r.error})}
     latency_stats("ttft", [r.ttft for r in ok if r.ttft is not None], out)
@@ -55,7 +57,9 @@ def summarize(fleet: Fleet, goodput: dict[str, float] | None = None) -> dict:
 
 
 def print_sim_result(r: dict) -> None:
-    print(f"{SIMULATED}: {r['accelerator']} x{r['replicas']} (figures are modelled, not measured on hardware)")
+    tp = r.get("tensor_parallel_size", 1)
+    gpus = f" ({tp} GPUs each, tensor_parallel_size {tp})" if tp > 1 else ""
+    print(f"{SIMULATED}: {r['accelerator']} x{r['replicas']}{gpus} (figures are modelled, not measured on hardware)")
     print_result(r)
     print(f"{'Preemptions:':<40} {r['preemptions']:<10} ({r['requests_preempted']} requests)")
     if r.get("kv_usage_mean") is not None:

@@ -75,6 +75,12 @@ class ModelShape:
         return self.num_layers * per_layer + embed + lm_head + h
 
     @property
+    def norm_params(self) -> int:
+        """The RMSNorm weights (two a layer and the final one): every tensor-parallel rank
+        holds them whole, as it does nothing else."""
+        return (2 * self.num_layers + 1) * self.hidden_size
+
+    @property
     def weight_bytes(self) -> int:
         return self.num_params * self.dtype_bytes
 

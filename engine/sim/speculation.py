@@ -20,6 +20,7 @@ from ..request import Request
 from ..speculative_config import SpeculativeConfig
 from .config import SimulationConfig
 from .hardware import Accelerator
+from .parallel import SINGLE_GPU, TensorParallel
 from .shapes import ModelShape
 from .timing import BatchShape, step_time
 from .tokens import TokenSource, mix64, uniform
@@ -76,10 +77,11 @@ class SimulatedDrafts:
         return out
 
 
-def draft_time(model: ModelShape, acc: Accelerator, contexts: list[int], passes: int, cost: float) -> float:
+def draft_time(model: ModelShape, acc: Accelerator, contexts: list[int], passes: int, cost: float,
+               tp: TensorParallel = SINGLE_GPU) -> float:
     """A draft model's work before a verifying step: `passes` (the most drafts any request
     carries) batched decode passes over the drafted sequences (context lengths), each
-    `cost` x the target's decode step of that shape. Seconds."""
+    `cost` x the target's decode step of that shape (over the target's GPUs). Seconds."""
     if cost <= 0 or passes <= 0 or not contexts:
         return 0.0
-    return passes * cost * step_time(model, acc, BatchShape.of([(1, end) for end in contexts]))
+    return passes * cost * step_time(model, acc, BatchShape.of([(1, end) for end in contexts]), tp)

@@ -13,7 +13,9 @@ bandwidth) (a roofline per kernel, summed over the sequential kernels of a layer
   matrix where an implementation materialises it (the accelerator's
   attention_score_bytes per pair and head: 0 for fused kernels);
 - the LM head over the sampled rows only, and sampling over their logits;
-- a fixed host overhead per step, per sequence and per token.
+- a fixed host overhead per step, per sequence and per token;
+- over N GPUs (tensor parallelism, parallel.py): each GPU's 1/N share of the above, then
+  the all-reduces and the logits' all-gather across the interconnect.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from .hardware import Accelerator
+from .parallel import SINGLE_GPU, TensorParallel, sizes_dividing, weight_bytes_per_gpu
 from .shapes import ModelShape
 
 QUERY_TILE = 128  # queries per attention tile: K/V are re-read once per tile
@@ -63,10 +66,12 @@ class StepCost:
     sampling_s: float
     gemm_memory_bound: bool
     attention_memory_bound: bool
+    communication_s: float = 0.0  # tensor parallelism's all-reduces and all-gather
 
     @property
     def total_s(self) -> float:
-        return self.overhead_s + self.gemm_s + self.attention_s + self.lm_head_s + self.sampling_s
+        return (self.overhead_s + self.gemm_s + self.attention_s + self.lm_head_s + self.sampling_s
+                + self.communication_s)
 
 
 def _roofline(flops: float, nbytes: float, rate: float, bandwidth: float) -> tuple[float, bool]:
@@ -74,87 +79,129 @@ def _roofline(flops: float, nbytes: float, rate: float, bandwidth: float) -> tup
     return max(compute, memory), memory >= compute
 
 
-def step_cost(model: ModelShape, acc: Accelerator, batch: BatchShape) -> StepCost:
-    m, b = model, batch
+def step_cost(model: ModelShape, acc: Accelerator, batch: BatchShape, tp: TensorParallel = SINGLE_GPU) -> StepCost:
+    """One step's time; over tp.size GPUs, each GPU's share plus the collectives."""
+    m, b, n = model, batch, tp.size
     if b.num_tokens == 0:
         return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, True, True)
     wb = ab = m.dtype_bytes
     h, d = m.hidden_size, m.head_dim
+    # One GPU's share: heads, KV heads, MLP columns, linear weights and vocabulary (1/N each).
+    heads, kv_heads = m.num_heads / n, m.num_kv_heads / n
+    params, vocab = m.linear_params_per_layer / n, m.vocab_size / n
     bw = acc.effective_bandwidth
     # Activations each token moves through the layer's GEMMs and their elementwise neighbours.
-    act_elems = 5 * h + (m.num_heads + 2 * m.num_kv_heads) * d + 3 * m.intermediate_size
-    gemm, gemm_mem = _roofline(2 * b.num_tokens * m.linear_params_per_layer,
-                               m.linear_params_per_layer * wb + b.num_tokens * act_elems * ab,
+    act_elems = 5 * h + (heads + 2 * kv_heads) * d + 3 * m.intermediate_size / n
+    gemm, gemm_mem = _roofline(2 * b.num_tokens * params, params * wb + b.num_tokens * act_elems * ab,
                                acc.effective_gemm_flops, bw)
     attn, attn_mem = _roofline(
-        4 * m.num_heads * d * b.attention_pairs,
-        b.kv_tokens_read * 2 * m.num_kv_heads * d * ab
-        + b.num_tokens * (2 * m.num_heads + 2 * m.num_kv_heads) * d * ab
-        + b.attention_pairs * m.num_heads * acc.attention_score_bytes,
+        4 * heads * d * b.attention_pairs,
+        b.kv_tokens_read * 2 * kv_heads * d * ab
+        + b.num_tokens * (2 * heads + 2 * kv_heads) * d * ab
+        + b.attention_pairs * heads * acc.attention_score_bytes,
         acc.effective_attention_flops, bw)
     s = b.num_sampled
-    lm_head = _roofline(2 * s * h * m.vocab_size, h * m.vocab_size * wb + s * m.vocab_size * LOGIT_BYTES,
+    lm_head = _roofline(2 * s * h * vocab, h * vocab * wb + s * vocab * LOGIT_BYTES,
                         acc.effective_gemm_flops, bw)[0] if s else 0.0
-    sampling = 2 * s * m.vocab_size * LOGIT_BYTES / bw
+    sampling = 2 * s * m.vocab_size * LOGIT_BYTES / bw  # on the first GPU, over the gathered logits
     overhead = (acc.step_overhead_s + acc.per_seq_overhead_s * b.num_seqs
                 + acc.per_token_overhead_s * b.num_tokens)
     return StepCost(overhead, m.num_layers * gemm, m.num_layers * attn, lm_head, sampling,
-                    gemm_mem, attn_mem)
+                    gemm_mem, attn_mem, tp.communication_s(m, b.num_tokens, s))
 
 
-def step_time(model: ModelShape, acc: Accelerator, batch: BatchShape) -> float:
-    return step_cost(model, acc, batch).total_s
+def step_time(model: ModelShape, acc: Accelerator, batch: BatchShape, tp: TensorParallel = SINGLE_GPU) -> float:
+    return step_cost(model, acc, batch, tp).total_s
 
 
 # --- memory -------------------------------------------------------------------------------
 
-def activation_peak_bytes(model: ModelShape, max_num_batched_tokens: int, max_num_seqs: int) -> int:
-    """The forward's peak working memory at a full token budget (what vLLM's start-up
-    profile measures): the MLP's gate/up output and its product, a few hidden-sized
-    buffers, and float32 logits for every sequence that may sample."""
+def activation_peak_bytes(model: ModelShape, max_num_batched_tokens: int, max_num_seqs: int,
+                          tensor_parallel_size: int = 1) -> int:
+    """The forward's peak working memory at a full token budget on one GPU (what vLLM's
+    start-up profile measures): the MLP's gate/up output and its product (1/N of the
+    columns each), a few hidden-sized buffers, and float32 logits for every sequence that
+    may sample (whole on the first GPU, which gathers them)."""
     m, t = model, max_num_batched_tokens
-    per_token = (3 * m.intermediate_size + 4 * m.hidden_size) * m.dtype_bytes
+    per_token = (3 * -(-m.intermediate_size // tensor_parallel_size) + 4 * m.hidden_size) * m.dtype_bytes
     return t * per_token + max_num_seqs * m.vocab_size * LOGIT_BYTES
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    budget_bytes: int  # memory x gpu_memory_utilization
-    weight_bytes: int
+    """One GPU's memory (budget, weights, activations, reserve) and the KV cache all the
+    engine's GPUs hold together (num_gpus x what each has left)."""
+
+    budget_bytes: int  # memory x gpu_memory_utilization, each GPU
+    weight_bytes: int  # each GPU's share
     reserved_bytes: int
     activation_bytes: int
-    kv_cache_bytes: int
+    kv_cache_bytes: int  # all GPUs together: what the engine's block pool is sized from
+    num_gpus: int = 1
 
     def describe(self) -> str:
         gib = 2**30
+        each = self.kv_cache_bytes // self.num_gpus
+        split = (f" + KV cache {each / gib:.1f} GiB, on each of {self.num_gpus} GPUs: KV cache "
+                 f"{self.kv_cache_bytes / gib:.1f} GiB in all" if self.num_gpus > 1
+                 else f" + KV cache {self.kv_cache_bytes / gib:.1f} GiB")
         return (f"{self.budget_bytes / gib:.1f} GiB usable = weights {self.weight_bytes / gib:.1f} GiB"
                 f" + activations {self.activation_bytes / gib:.2f} GiB + reserved "
-                f"{self.reserved_bytes / gib:.2f} GiB + KV cache {self.kv_cache_bytes / gib:.1f} GiB")
+                f"{self.reserved_bytes / gib:.2f} GiB{split}")
+
+
+def _kv_per_gpu(model: ModelShape, acc: Accelerator, gpu_memory_utilization: float, max_num_batched_tokens: int,
+                max_num_seqs: int, num_gpus: int) -> tuple[int, int, int, int]:
+    """(budget, weights, activations, KV cache) of one of num_gpus GPUs; the KV cache may
+    come out negative."""
+    budget = int(acc.memory_bytes * gpu_memory_utilization)
+    weights = weight_bytes_per_gpu(model, num_gpus)
+    activations = activation_peak_bytes(model, max_num_batched_tokens, max_num_seqs, num_gpus)
+    return budget, weights, activations, budget - weights - activations - acc.reserved_bytes
+
+
+def smallest_fitting_size(model: ModelShape, acc: Accelerator, gpu_memory_utilization: float,
+                          max_num_batched_tokens: int, max_num_seqs: int) -> int | None:
+    """The fewest GPUs (a tensor_parallel_size the KV heads split over) that leave a KV cache."""
+    for n in sizes_dividing(model):
+        if _kv_per_gpu(model, acc, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs, n)[3] > 0:
+            return n
+    return None
 
 
 def plan_memory(model: ModelShape, acc: Accelerator, gpu_memory_utilization: float,
-                max_num_batched_tokens: int, max_num_seqs: int) -> MemoryPlan:
-    """KV capacity = memory x utilisation - weights - activation peak - reserve.
-    ValueError, with the numbers, when nothing is left for the cache."""
-    budget = int(acc.memory_bytes * gpu_memory_utilization)
-    weights = model.weight_bytes
+                max_num_batched_tokens: int, max_num_seqs: int, tp: TensorParallel = SINGLE_GPU) -> MemoryPlan:
+    """KV capacity = N x (memory x utilisation - each GPU's weight share - activation peak
+    - reserve). ValueError, with the numbers and the tensor_parallel_size that would fit,
+    when nothing is left for the cache."""
+    budget, weights, activations, kv = _kv_per_gpu(model, acc, gpu_memory_utilization, max_num_batched_tokens,
+                                                   max_num_seqs, tp.size)
     gib = 2**30
+
+    def remedy() -> str:
+        fits = smallest_fitting_size(model, acc, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)
+        if fits is not None and fits > tp.size:
+            return f"; tensor_parallel_size {fits} (--tensor-parallel-size) would leave one"
+        return ""
+
     if weights > acc.memory_bytes:
+        where = ("it does not fit one accelerator" if tp.size == 1
+                 else f"at tensor_parallel_size {tp.size} each GPU's share is {weights / gib:.1f} GiB")
         raise ValueError(
-            f"simulate_model: {model.name}'s weights take {weights / gib:.1f} GiB but the "
-            f"{acc.name} has {acc.memory_bytes / gib:.1f} GiB: it does not fit one accelerator")
-    activations = activation_peak_bytes(model, max_num_batched_tokens, max_num_seqs)
-    kv = budget - weights - activations - acc.reserved_bytes
+            f"simulate_model: {model.name}'s weights take {model.weight_bytes / gib:.1f} GiB but the "
+            f"{acc.name} has {acc.memory_bytes / gib:.1f} GiB: {where}{remedy()}")
     if kv <= 0:
+        shares = f" on each of {tp.size} GPUs" if tp.size > 1 else ""
         raise ValueError(
-            f"simulate_model: {model.name} on the {acc.name} leaves no KV cache: "
+            f"simulate_model: {model.name} on the {acc.name} leaves no KV cache{shares}: "
             f"{budget / gib:.1f} GiB usable (gpu_memory_utilization {gpu_memory_utilization:g}) "
             f"- weights {weights / gib:.1f} GiB - activations {activations / gib:.2f} GiB - "
-            f"reserved {acc.reserved_bytes / gib:.2f} GiB = {kv / gib:.2f} GiB")
-    return MemoryPlan(budget, weights, acc.reserved_bytes, activations, kv)
+            f"reserved {acc.reserved_bytes / gib:.2f} GiB = {kv / gib:.2f} GiB{remedy()}")
+    return MemoryPlan(budget, weights, acc.reserved_bytes, activations, kv * tp.size, tp.size)
 
 
-def decode_roofline_tokens_per_s(model: ModelShape, acc: Accelerator, batch: int, context: int) -> float:
+def decode_roofline_tokens_per_s(model: ModelShape, acc: Accelerator, batch: int, context: int,
+                                 tp: TensorParallel = SINGLE_GPU) -> float:
     """Output tokens/s of steady decode at `batch` sequences of `context` tokens."""
-    t = step_time(model, acc, BatchShape.of([(1, context)] * batch))
+    t = step_time(model, acc, BatchShape.of([(1, context)] * batch), tp)
     return batch / t if t > 0 else math.inf

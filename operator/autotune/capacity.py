@@ -18,6 +18,12 @@ the field guide's first remedy for a cache pinned near full, which needs a resta
 the autotuner advises it (advice.py) rather than applying it. Given the weights' bytes
 (kvpilot:model_weight_bytes, the quantized size where the pods quantize), it says what the
 weights take: on a GPU the cache gets what they leave of the memory share.
+
+One engine over N GPUs (tensor/pipeline parallelism, resources.gpus: N) holds N GPUs' KV
+cache: each GPU's memory share less its 1/N of the weights and its own activation reserve,
+times N. The pods' own metrics already count it so (kvpilot:kv_cache_bytes is every rank's
+together, kvpilot:kv_cache_bytes_per_token all KV heads), which is what the autotuner
+plans from; `num_gpus` is for the formula from a config and a GPU's memory.
 """
 
 from __future__ import annotations
@@ -97,14 +103,19 @@ def kv_cache_bytes(
     gpu_memory_bytes: int | None = None,
     gpu_memory_utilization: float | None = None,
     activation_reserve_bytes: int = 0,
+    num_gpus: int = 1,
 ) -> int:
-    """Bytes available to the KV cache: the configured amount, else what the GPU share
-    leaves after weights and the activation reserve (never negative)."""
+    """Bytes available to the KV cache: the configured amount, else what the GPU shares
+    leave after the weights and each GPU's activation reserve (never negative).
+    `gpu_memory_bytes` and `activation_reserve_bytes` are one GPU's; the engine spans
+    `num_gpus` of them and splits the weights over them."""
     if kv_cache_memory is not None:
         return parse_bytes("kv_cache_memory", kv_cache_memory)
     if shape is None or gpu_memory_bytes is None or gpu_memory_utilization is None:
         raise ValueError("need kv_cache_memory, or a model shape with gpu_memory_bytes and gpu_memory_utilization")
-    budget = gpu_memory_bytes * gpu_memory_utilization - shape.weight_bytes - activation_reserve_bytes
+    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
+        raise ValueError(f"num_gpus must be a positive integer, got {num_gpus!r}")
+    budget = num_gpus * (gpu_memory_bytes * gpu_memory_utilization - activation_reserve_bytes) - shape.weight_bytes
     return max(0, int(budget))
 
 
@@ -121,6 +132,7 @@ def plan_capacity(
     bytes_per_token: int | None = None,
     kv_element_bytes: int | None = None,
     weight_bytes: int | None = None,
+    num_gpus: int = 1,
 ) -> CapacityPlan:
     """How many sequences of `seq_len` tokens fit in the KV cache, and which limit binds.
 
@@ -129,7 +141,8 @@ def plan_capacity(
     `kv_cache_memory` and `kvpilot:kv_cache_bytes_per_token` as `bytes_per_token`
     (`shape` may then be None); the shape is needed only for the GPU formula.
     `kv_element_bytes` (the cache's element size) adds what an fp8 cache would hold, and
-    `weight_bytes` what the weights take, to the plan and its summary.
+    `weight_bytes` what the weights take, to the plan and its summary. `num_gpus` is how
+    many GPUs one engine spans, for the GPU formula (the pods' metrics already count them).
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
@@ -139,6 +152,7 @@ def plan_capacity(
         gpu_memory_bytes=gpu_memory_bytes,
         gpu_memory_utilization=gpu_memory_utilization,
         activation_reserve_bytes=activation_reserve_bytes,
+        num_gpus=num_gpus,
     )
     if bytes_per_token is None and shape is None:
         raise ValueError("need bytes_per_token or a model shape")
