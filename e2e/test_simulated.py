@@ -27,9 +27,10 @@ def _metric(text: str, name: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def test_a_simulated_llmdeployment_is_ready_answers_and_says_so(cluster, tuned_operator, namespace, wait_for):
-    kube = tuned_operator
-    m = yaml.safe_load(EXAMPLE.read_text())
+def apply_example(cluster, kube, namespace: str, wait_for, path: Path) -> tuple[str, dict]:
+    """Apply an example LLMDeployment in `namespace` (Prometheus: the cluster's); its name and
+    its object once Ready."""
+    m = yaml.safe_load(path.read_text())
     m["metadata"]["namespace"] = namespace
     m["spec"]["autotune"]["prometheus"]["url"] = cluster.prometheus_url
     name = m["metadata"]["name"]
@@ -39,9 +40,14 @@ def test_a_simulated_llmdeployment_is_ready_answers_and_says_so(cluster, tuned_o
         obj = kube.get(LLMD.format(ns=namespace, name=name), ok404=True)
         return obj if condition(obj, "Ready").get("status") == "True" else None
     try:
-        obj = wait_for(ready, timeout=300, interval=1, what="the simulated LLMDeployment to be Ready")
+        return name, wait_for(ready, timeout=300, interval=1, what=f"{path.name} to be Ready")
     except TimeoutError:
         raise AssertionError(diagnose(cluster, namespace)) from None
+
+
+def test_a_simulated_llmdeployment_is_ready_answers_and_says_so(cluster, tuned_operator, namespace, wait_for):
+    kube = tuned_operator
+    name, obj = apply_example(cluster, kube, namespace, wait_for, EXAMPLE)
     assert obj["status"]["simulated"] == "h100-80gb/llama-3.1-8b"
     assert "simulated h100-80gb" in condition(obj, "Ready")["message"]
     row = cluster.kubectl("get", "llmd", name, "-n", namespace).stdout
@@ -67,6 +73,32 @@ def test_a_simulated_llmdeployment_is_ready_answers_and_says_so(cluster, tuned_o
     rss = _metric(text, "process_resident_memory_bytes")
     print(f"\nsimulated H100 pod (Llama-3.1-8B): RSS {rss / 2**20:.0f} MiB, KV cache {kv / 2**30:.1f} GiB")
     assert rss < MAX_SIMULATED_RSS
+
+
+def test_a_simulated_70b_over_four_gpus_is_one_engine_with_all_their_kv(cluster, tuned_operator, namespace,
+                                                                       wait_for):
+    """resources.gpus: 4 on a model that does not fit one GPU: the pod requests four, the
+    engine gets --tensor-parallel-size 4, and its KV cache is the four GPUs' together."""
+    kube = tuned_operator
+    name, obj = apply_example(cluster, kube, namespace, wait_for, ROOT / "examples" / "llmdeployment-simulated-70b.yaml")
+    assert obj["status"]["simulated"] == "4xh100-80gb/llama-3.1-70b"
+    pods = kube.get(f"/api/v1/namespaces/{namespace}/pods",
+                    params={"labelSelector": f"serving.kvpilot.dev/llmdeployment={name}"})["items"]
+    (pod,) = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    container = pod["spec"]["containers"][0]
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == "4"
+    args = container["args"]
+    assert args[args.index("--tensor-parallel-size") + 1] == "4"
+    url = f"http://{pod['status']['podIP']}:8000"
+    r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "model": "llama-3.1-70b", "prompt": "Hello from four simulated GPUs", "max_tokens": 16, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    kv = _metric(text, "kvpilot:kv_cache_bytes")
+    print(f"\nsimulated 4x H100 pod (Llama-3.1-70B, tensor parallel 4): KV cache {kv / 2**30:.1f} GiB; "
+          f"Ready: {condition(obj, 'Ready')['message']}")
+    # 4 x (80 GB x 0.9 - a quarter of 131 GiB of weights - activations - reserve): about 150 GiB.
+    assert 140 * 2**30 < kv < 160 * 2**30
 
 
 def test_the_demo_story_on_its_fast_path(cluster, tuned_operator, tmp_path):

@@ -16,12 +16,10 @@ roofline uses the bytes of the model actually run. Failures are recorded, not ra
 from __future__ import annotations
 
 import gc
-import shutil
-import tempfile
 import time
-import traceback
-from pathlib import Path
 from typing import Any
+
+from .gpu_check_part import part_workdir, status_lines
 
 LLAMA3_8B = {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336,
              "vocab": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0}
@@ -54,8 +52,7 @@ def run_decode_graphs(
     shape["layers"] = layers
     result: dict[str, Any] = {"model_shape": shape, "dtype": dtype, "prompt_len": prompt_len,
                               "decode_tokens": decode_tokens, "copy_gb_per_s": copy_gb_per_s}
-    workdir = Path(tempfile.mkdtemp(prefix="kvpilot-gpu-graphs-"))
-    try:
+    with part_workdir(result, "kvpilot-gpu-graphs-") as workdir:
         from kvpilot.engine import LLM, SamplingParams
         from kvpilot.engine.tiny_model import make_tiny_model
 
@@ -114,21 +111,14 @@ def run_decode_graphs(
                     base = result["graphs"].get(key, {})
                     if key.startswith("batch_") and "decode_tok_per_s" in row and "decode_tok_per_s" in base:
                         row["vs_graphs"] = row["decode_tok_per_s"] / base["decode_tok_per_s"]
-    except Exception as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"[:2000]
-        result["traceback"] = traceback.format_exc()
-    finally:
-        gc.collect()
-        shutil.rmtree(workdir, ignore_errors=True)
     return result
 
 
 def format_graphs(result: dict[str, Any]) -> list[str]:
     """gpu_check's table lines for this part."""
-    if "skipped" in result:
-        return [f"engine decode: skipped ({result['skipped']})"]
-    if "error" in result:
-        return [f"engine decode: FAILED {result['error']}"]
+    status = status_lines(result, "engine decode")
+    if status is not None:
+        return status
     shape = result["model_shape"]
     lines = [f"decode, random Llama-3-8B-shaped model ({shape['layers']} layers, {result['dtype']}): "
              f"graphs, int8/int4 weights, fp8 KV, eager (x: vs graphs):"]

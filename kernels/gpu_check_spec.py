@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import gc
 import json
-import shutil
-import tempfile
 import time
-import traceback
-from pathlib import Path
 from typing import Any
 
 from .gpu_check_graphs import LLAMA3_8B
+from .gpu_check_part import part_workdir, status_lines
 
 LLAMA32_1B = {"layers": 16, "hidden": 2048, "heads": 32, "kv_heads": 8, "intermediate": 8192,
               "vocab": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0}
@@ -52,8 +49,7 @@ def run_speculative(
     draft["vocab"] = target["vocab"]  # a draft needs the target's vocabulary
     result: dict[str, Any] = {"target_shape": target, "draft_shape": draft, "dtype": dtype, "k": k,
                               "prompt_len": prompt_len, "decode_tokens": decode_tokens}
-    workdir = Path(tempfile.mkdtemp(prefix="kvpilot-gpu-spec-"))
-    try:
+    with part_workdir(result, "kvpilot-gpu-spec-") as workdir:
         from kvpilot.engine import LLM, SamplingParams
         from kvpilot.engine.tiny_model import make_tiny_model
 
@@ -111,21 +107,14 @@ def run_speculative(
                 entry["speedup"] = entry["decode_tok_per_s"] / base
                 # Speculation is exact: greedy tokens equal those without it.
                 entry["same_tokens"] = entry["tokens"] == result["none"]["tokens"]
-    except Exception as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"[:2000]
-        result["traceback"] = traceback.format_exc()
-    finally:
-        gc.collect()
-        shutil.rmtree(workdir, ignore_errors=True)
     return result
 
 
 def format_speculative(result: dict[str, Any]) -> list[str]:
     """gpu_check's table lines for this part."""
-    if "skipped" in result:
-        return [f"speculative decoding: skipped ({result['skipped']})"]
-    if "error" in result:
-        return [f"speculative decoding: FAILED {result['error']}"]
+    status = status_lines(result, "speculative decoding")
+    if status is not None:
+        return status
     lines = [f"speculative decoding, batch 1, random Llama-3-8B-shaped target ({result['target_shape']['layers']} "
              f"layers), K={result['k']}, repeated prompt:"]
     for name in ("none", "ngram", "draft"):

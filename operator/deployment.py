@@ -10,7 +10,7 @@ import json
 from .model_download import MODEL_CACHE_VOLUME, cache_volume, init_container, pinned_source, remote_source
 from .objects import (HTTP_PORT, TUNING_DIR, TUNING_FILE, Owner, metadata, selector_labels,
                       tuning_configmap_name)
-from .parallel import parallel_args
+from .parallel import parallel_args, parallel_sizes
 from .simulate import SIMULATED_LABEL, sim_model_projection, simulate_args
 from .spec import LLMDeploymentSpec
 
@@ -144,7 +144,10 @@ def build_pod_template(owner: Owner, spec: LLMDeploymentSpec, model_revision: st
     if model_volume is not None:
         mounts.append(model_mount)
         volumes.append(model_volume)
-    if spec.resources.gpus > 0 and not simulated:  # NCCL and torch use shared memory; the simulator neither
+    # NCCL and torch use shared memory, and so do a CPU engine's ranks (engine/parallel/
+    # shm_channel.py: a runtime's default 64 MiB /dev/shm would send them back to gloo);
+    # the simulator uses none.
+    if (spec.resources.gpus > 0 or parallel_sizes(spec) != (1, 1)) and not simulated:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
     container = {

@@ -5,7 +5,7 @@ pipelineParallelSize become the engine's --tensor-parallel-size and
 One pod runs one engine, and resources.gpus: N is all of it: by default the engine spreads
 each layer over the N GPUs (--tensor-parallel-size N). The spec may split them otherwise,
 tensorParallelSize x pipelineParallelSize = N (one rank a GPU). Without GPUs (gpus: 0) the
-sizes are the CPU engine's worker processes (gloo), or the simulated accelerator's GPUs
+sizes are the CPU engine's worker processes (shared memory, a Memory emptyDir at /dev/shm), or the simulated accelerator's GPUs
 with engine.simulate. Either way the engine exports the KV cache of all its ranks
 (kvpilot:kv_cache_bytes and kvpilot:kv_cache_bytes_per_token, every rank's together), so
 the capacity planner needs no GPU count of its own."""

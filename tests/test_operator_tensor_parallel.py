@@ -56,6 +56,13 @@ def test_gpus_give_the_pod_n_gpus_and_the_engine_tensor_parallel_size_n():
     assert any(v["name"] == "dshm" for v in pod(d)["volumes"])  # NCCL's shared memory between the ranks
 
 
+def test_a_cpu_engine_over_several_ranks_gets_shared_memory_and_a_single_rank_none():
+    def volumes(**over):
+        return {v["name"] for v in pod(build_deployment(OWNER, spec(**over), 1))["volumes"]}
+    assert "dshm" in volumes(engine={"tensorParallelSize": 2})  # the ranks' collectives (shm_channel.py)
+    assert "dshm" not in volumes()  # one CPU process: the runtime's default /dev/shm is plenty
+
+
 def test_one_gpu_and_cpu_pods_render_no_parallel_flags_so_they_do_not_roll():
     for over in ({}, {"resources": {"gpus": 1}}, {"resources": {"gpus": 2}, "engine": {"tensorParallelSize": 1,
                                                                                          "pipelineParallelSize": 2}}):
@@ -69,7 +76,7 @@ def test_one_gpu_and_cpu_pods_render_no_parallel_flags_so_they_do_not_roll():
     ({"tensorParallelSize": 2, "pipelineParallelSize": 2}, 4, ("2", "2")),
     ({"pipelineParallelSize": 2}, 8, ("4", "2")),  # tensorParallelSize defaults to gpus / pipelineParallelSize
     ({"tensorParallelSize": 8}, 8, ("8", None)),
-    ({"tensorParallelSize": 2}, 0, ("2", None)),  # a CPU engine's worker processes (gloo)
+    ({"tensorParallelSize": 2}, 0, ("2", None)),  # a CPU engine's worker processes
 ])
 def test_the_spec_overrides_the_split(engine, gpus, expected):
     assert sizes(args_of(engine=engine, resources={"gpus": gpus})) == expected
