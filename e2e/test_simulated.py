@@ -82,6 +82,7 @@ def test_a_simulated_70b_over_four_gpus_is_one_engine_with_all_their_kv(cluster,
     kube = tuned_operator
     name, obj = apply_example(cluster, kube, namespace, wait_for, ROOT / "examples" / "llmdeployment-simulated-70b.yaml")
     assert obj["status"]["simulated"] == "4xh100-80gb/llama-3.1-70b"
+    assert "simulated 4xh100-80gb" in condition(obj, "Ready")["message"]
     pods = kube.get(f"/api/v1/namespaces/{namespace}/pods",
                     params={"labelSelector": f"serving.kvpilot.dev/llmdeployment={name}"})["items"]
     (pod,) = [p for p in pods if not p["metadata"].get("deletionTimestamp")]

@@ -308,4 +308,3 @@ def _prefill_meta(num_tokens: int, block_size: int, device: torch.device,
         torch_plan=None if backend != "torch" else plan_torch_attention(
             tables, [num_tokens], [num_tokens], block_size, device),
     )
-

@@ -207,7 +207,8 @@ def reconcile(kube: Kube, body, hook: AutotuneHook | None = None) -> Result:
     snapshot = report.snapshot if report is not None else None
     kv = None if snapshot is None or snapshot.kv_usage_mean is None else round(100 * snapshot.kv_usage_mean)
     sim = spec.engine.simulate
-    ready_note = f"simulated {sim.accelerator}" if sim is not None else None
+    # "simulated h100-80gb", or "simulated 4xh100-80gb" for one engine over four
+    ready_note = f"simulated {simulated_summary(spec).split('/')[0]}" if sim is not None else None
     before = kube.get("apps/v1", "Deployment", owner.namespace, owner.name)
     # simulated=None clears a previous value: the status apply then leaves the field out.
     # observedGeneration moves only with the second write: until the objects are applied,

@@ -111,6 +111,7 @@ def test_the_70b_example_renders_a_pod_whose_engine_spans_four_simulated_gpus():
 
     result = reconcile(FakeKube(), body(yaml.safe_load(EXAMPLE.read_text())["spec"]))
     assert result.ready and result.status.simulated == "4xh100-80gb/llama-3.1-70b"
+    assert "simulated 4xh100-80gb" in result.status.condition("Ready").message
 
 
 # --- the rules -----------------------------------------------------------------------------

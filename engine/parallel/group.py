@@ -98,7 +98,7 @@ class ParallelGroup:
             base = f"/dev/shm/kvpilot-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             try:
                 ShmChannel(f"{base}-control", 0, lay.world_size, CONTROL_SLOT_BYTES, create=True).close()
-                for stage in range(lay.pp_size):
+                for stage in range(lay.pp_size if lay.tp_size > 1 else 0):
                     ShmChannel(f"{base}-tp{stage}", 0, lay.tp_size, tensor_slot_bytes, create=True).close()
                 paths = base
             except OSError as exc:

@@ -86,9 +86,9 @@ class ShmChannel:
     def all_reduce(self, x: torch.Tensor, alive, deadline_s: float) -> bool:
         """Sum `x` over the ranks in place; False (nothing done) when it does not fit a slot."""
         nbytes = x.numel() * x.element_size()
-        if nbytes > self.slot_bytes:
+        if nbytes > self.slot_bytes or not x.is_contiguous():  # the sum is written back through a view
             return False
-        flat = x.reshape(-1)
+        flat = x.view(-1)
         parity = self._arrive(lambda slot: slot[:nbytes].view(x.dtype).copy_(flat), alive, deadline_s)
         parts = [self.data[parity, r, :nbytes].view(x.dtype) for r in range(self.size)]
         if x.dtype == torch.float32:

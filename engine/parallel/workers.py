@@ -144,7 +144,9 @@ class WorkerProcesses:
                 group.broadcast_object(("stop",))
             except Exception as exc:  # a rank already gone: kill the rest below
                 log.warning("stopping ranks: %s", exc)
-        deadline = time.monotonic() + 5.0
+        # Asked to stop, ranks exit at once; after a failure the rest may sit in a collective
+        # that never completes: no grace then.
+        deadline = time.monotonic() + (5.0 if self.failure is None else 0.0)
         for p in self.processes:
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))

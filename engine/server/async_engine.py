@@ -66,6 +66,9 @@ class AsyncEngine:
         self._commands.put(None)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+            if self._thread.is_alive():  # stuck in a step: the ranks go with this process
+                log.error("the engine thread did not stop within 30 s; leaving its ranks to exit with the process")
+                return
         await asyncio.to_thread(self.engine.shutdown)
 
     @property
