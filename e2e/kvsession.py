@@ -104,7 +104,10 @@ def install_operator(cluster: LocalCluster, resync_s: int = 5, values: dict | No
     operator pod. Re-applying over an earlier install is harmless. `values`: more chart
     values (--set NAME=VALUE)."""
     helm = helm_binary()
-    extra = [a for k, v in (values or {}).items() for a in ("--set", f"{k}={v}")]
+    # The gateway only where a test or benchmark asks for it: elsewhere its per-second listing
+    # and scraping would be one more load on this small host's timing-sensitive tests.
+    values = {"gateway.enabled": "false", **(values or {})}
+    extra = [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
     out = subprocess.run([helm, "template", RELEASE, str(CHART), "-n", OPERATOR_NS, "--include-crds",
                           "--set", f"resyncInterval={resync_s}", "--set", "logLevel=INFO", *extra],
                          capture_output=True, text=True)

@@ -118,7 +118,10 @@ def installed_operator(cluster, wait_for, resync_interval: float = 10, values: d
     Ready; yields the cluster's Kube. Shared with e2e/test_autotune.py. `values`: more
     chart values (--set NAME=VALUE)."""
     helm = helm_binary()
-    extra = [a for k, v in (values or {}).items() for a in ("--set", f"{k}={v}")]
+    # The gateway only where a test or benchmark asks for it: elsewhere its per-second listing
+    # and scraping would be one more load on this small host's timing-sensitive tests.
+    values = {"gateway.enabled": "false", **(values or {})}
+    extra = [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
     out = subprocess.run([helm, "template", RELEASE, str(CHART), "-n", OPERATOR_NS, "--include-crds",
                           "--set", f"resyncInterval={resync_interval}", "--set", "logLevel=INFO", *extra],
                          capture_output=True, text=True, check=True).stdout

@@ -300,6 +300,8 @@ def chart_permissions(namespace: str, operator_ns: bool) -> set[tuple]:
     for d in yaml.safe_load_all(out):
         if not d or d["kind"] not in ("ClusterRole", "Role"):
             continue
+        if (d["metadata"].get("labels") or {}).get("app.kubernetes.io/component") == "gateway":
+            continue  # the gateway's own account, not the operator's
         if d["kind"] == "Role" and (d["metadata"]["namespace"] != namespace or not operator_ns):
             continue
         for r in d["rules"]:

@@ -17,6 +17,7 @@ import kopf
 from . import metrics
 from .applied import AppliedCache
 from .apply import Conflict, Kube
+from .kube_config import load_kube_config
 from .objects import INSTANCE_LABEL, MANAGED_BY
 from .deployment_metrics import DeploymentMetrics
 from .reconcile import load_autotune_hook, load_pass_hook_factory, parse_spec, reconcile, write_invalid
@@ -58,18 +59,6 @@ def _api_client():
     cfg = client.Configuration.get_default_copy()
     cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, MAX_CONCURRENT_RECONCILES + KOPF_WORKERS)
     return client.ApiClient(cfg)
-
-
-def load_kube_config() -> None:
-    """$KUBECONFIG when set (how the e2e node runs it), else in-cluster, else ~/.kube/config."""
-    from kubernetes import config
-    if os.environ.get("KUBECONFIG"):
-        config.load_kube_config()
-        return
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
 
 
 @kopf.on.login()

@@ -94,7 +94,7 @@ def test_network_policy_admits_only_clients_and_prometheus_to_engine_pods(helm):
     engine = selector_labels(Owner("any", "a", "u"))
     assert spec["podSelector"]["matchLabels"].items() <= engine.items()
     assert spec["policyTypes"] == ["Ingress"]
-    clients, prometheus = spec["ingress"]
+    clients, prometheus, _gateway = spec["ingress"]  # the chart's gateway: tests/test_chart_gateway.py
     assert clients["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvpilot-gateway"}}}]
     assert prometheus["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
                                    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
@@ -106,7 +106,7 @@ def test_network_policy_admits_only_clients_and_prometheus_to_engine_pods(helm):
 def test_network_policy_takes_the_watched_namespaces_and_custom_peers(helm):  # noqa: F811
     kinds = by_kind(render(helm, "--set", "networkPolicy.enabled=true", "--set", "watchNamespaces={team-a}",
                            "--set-json", 'networkPolicy.clients=[{"namespaceSelector":{"matchLabels":{"team":"x"}}}]',
-                           "--set-json", "networkPolicy.prometheus=[]"))
+                           "--set-json", "networkPolicy.prometheus=[]", "--set", "gateway.enabled=false"))
     (pol,) = kinds["NetworkPolicy"]
     assert pol["metadata"]["namespace"] == "team-a"
     assert pol["spec"]["ingress"] == [{"from": [{"namespaceSelector": {"matchLabels": {"team": "x"}}}],

@@ -37,7 +37,7 @@ def free_port() -> int:
 def store(monkeypatch):
     s = FakeStore()
     monkeypatch.setattr(leader, "KubeLeaseStore", lambda kube, ns, name: s)
-    monkeypatch.setattr("kvpilot.operator.handlers.load_kube_config", lambda: None)
+    monkeypatch.setattr("kvpilot.operator.kube_config.load_kube_config", lambda: None)
     monkeypatch.setattr("kvpilot.operator.apply.Kube.__init__", lambda self, api_client=None: None)
 
     def exit_(code):

@@ -68,11 +68,14 @@ def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSON
 
 
 async def send_error(send, err: APIError, headers: list[tuple[bytes, bytes]] = ()) -> None:
-    """The envelope straight on the ASGI channel, for middleware that answers before the app."""
+    """The envelope straight on the ASGI channel, for middleware that answers before the app.
+    `headers` override the error's own (a Retry-After computed by the caller, say)."""
     body = json.dumps(err.body()).encode()
+    given = {k for k, _ in headers}
     await send({"type": "http.response.start", "status": err.status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        *((k.lower().encode(), v.encode()) for k, v in err.headers.items()), *headers]})
+        *((k.lower().encode(), v.encode()) for k, v in err.headers.items() if k.lower().encode() not in given),
+        *headers]})
     await send({"type": "http.response.body", "body": body})
 
 

@@ -61,3 +61,63 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
   resources: ["events"]
   verbs: ["create", "patch"]
 {{- end -}}
+
+{{/* The gateway (`kvpilot gateway`): its own name, labels and service account. The
+     name label is the one networkPolicy.clients admits by default. */}}
+{{- define "kvpilot.gateway.fullname" -}}
+{{ include "kvpilot.fullname" . | trunc 55 | trimSuffix "-" }}-gateway
+{{- end -}}
+
+{{- define "kvpilot.gateway.selectorLabels" -}}
+app.kubernetes.io/name: kvpilot-gateway
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: gateway
+{{- end -}}
+
+{{- define "kvpilot.gateway.labels" -}}
+{{ include "kvpilot.gateway.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: kvpilot
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "kvpilot.gateway.serviceAccountName" -}}
+{{- if .Values.gateway.serviceAccount.create -}}{{ default (include "kvpilot.gateway.fullname" .) .Values.gateway.serviceAccount.name }}
+{{- else -}}{{ default "default" .Values.gateway.serviceAccount.name }}{{- end -}}
+{{- end -}}
+
+{{/* The gateway's permissions: it only reads the routing table (LLMDeployments and their
+     engine pods); it never writes to the API. */}}
+{{- define "kvpilot.gateway.rules" -}}
+- apiGroups: ["serving.kvpilot.dev"]
+  resources: ["llmdeployments"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+{{- end -}}
+
+{{/* Where the pod mounts tenant keys: /etc/kvpilot/gateway/keys/<tenant>/<key>. */}}
+{{- define "kvpilot.gateway.keysDir" -}}/etc/kvpilot/gateway/keys{{- end -}}
+
+{{/* The gateway's tenants file (operator/gateway/tenants.py reads it), from gateway.tenants:
+     each tenant's API key is the file its Secret's key is mounted as. */}}
+{{- define "kvpilot.gateway.tenantsFile" -}}
+{{- $names := list }}
+{{- $tenants := list }}
+{{- range .Values.gateway.tenants }}
+{{- if has .name $names }}
+{{- fail (printf "gateway.tenants: the name %q is used twice" .name) }}
+{{- end }}
+{{- $names = append $names .name }}
+{{- $key := .apiKeySecret.key | default "api-key" }}
+{{- $t := dict "name" .name "apiKeyFiles" (list (printf "%s/%s/%s" (include "kvpilot.gateway.keysDir" $) .name $key)) }}
+{{- with .models }}{{ $_ := set $t "models" . }}{{ end }}
+{{- with .requestsPerWindow }}{{ $_ := set $t "requestsPerWindow" (int64 .) }}{{ end }}
+{{- with .tokensPerWindow }}{{ $_ := set $t "tokensPerWindow" (int64 .) }}{{ end }}
+{{- if hasKey . "priority" }}{{ $_ := set $t "priority" (int64 .priority) }}{{ end }}
+{{- $tenants = append $tenants $t }}
+{{- end }}
+{{- toYaml (dict "window" .Values.gateway.rateLimitWindow "tenants" $tenants) }}
+{{- end -}}

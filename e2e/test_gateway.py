@@ -1,0 +1,147 @@
+"""The gateway on the local cluster, installed by the chart: it discovers LLMDeployments
+and their ready pods through the API, routes by `model` (one prefix to one replica),
+refuses unknown models with the envelope, and survives a replica vanishing mid-stream
+(that stream ends with an error; the other replica's stream and later requests go on)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from test_operator import OPERATOR_NS, diagnose, installed_operator
+
+pytestmark = pytest.mark.e2e
+
+GATEWAY_SELECTOR = "app.kubernetes.io/component=gateway"
+
+
+def simulated(ns: str, name: str, replicas: int) -> dict:
+    """A simulated L4 serving Llama-3.1-8B: slow enough per token (about 60 ms, simulated)
+    that a stream is still running when its pod is deleted."""
+    return {"apiVersion": "serving.kvpilot.dev/v1alpha1", "kind": "LLMDeployment",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"model": {"servedName": name},
+                     "engine": {"maxModelLen": 4096, "simulate": {"accelerator": "l4", "model": "llama-3.1-8b"}},
+                     "resources": {"gpus": 1, "cpu": "250m", "memory": "256Mi"}, "replicas": replicas,
+                     "autoscaling": {"minReplicas": replicas, "maxReplicas": replicas},
+                     "autotune": {"mode": "Off"}}}
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster, wait_for):
+    values = {"gateway.enabled": "true", "gateway.refreshInterval": "1"}
+    with installed_operator(cluster, wait_for, resync_interval=5, values=values) as kube:
+        def ready():
+            pods = kube.get(f"/api/v1/namespaces/{OPERATOR_NS}/pods",
+                            params={"labelSelector": GATEWAY_SELECTOR})["items"]
+            return [p for p in pods if not p["metadata"].get("deletionTimestamp") and any(
+                c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))]
+        try:
+            (pod,) = wait_for(ready, timeout=180, interval=1, what="the gateway pod to be Ready")[:1]
+        except TimeoutError:
+            raise AssertionError(diagnose(cluster, OPERATOR_NS)) from None
+        yield kube, f"http://{pod['status']['podIP']}:8000"
+
+
+def ready_pods(kube, ns: str, name: str) -> list[str]:
+    pods = kube.get(f"/api/v1/namespaces/{ns}/pods",
+                    params={"labelSelector": f"serving.kvpilot.dev/llmdeployment={name}"})["items"]
+    return sorted(p["metadata"]["name"] for p in pods if not p["metadata"].get("deletionTimestamp") and any(
+        c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", [])))
+
+
+def test_routes_by_model_to_ready_pods_and_refuses_unknown_models(cluster, gateway, namespace, wait_for):
+    kube, url = gateway
+    cluster.apply(simulated(namespace, "alpha", 2))
+    cluster.apply(simulated(namespace, "beta", 1))
+    try:
+        wait_for(lambda: len(ready_pods(kube, namespace, "alpha")) == 2 and ready_pods(kube, namespace, "beta"),
+                 timeout=300, interval=1, what="alpha's two pods and beta's pod to be Ready")
+    except TimeoutError:
+        raise AssertionError(diagnose(cluster, namespace)) from None
+
+    def served():
+        ids = {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]}
+        return {"alpha", "beta"} <= ids
+    wait_for(served, timeout=60, interval=1, what="the gateway to list alpha and beta")
+
+    alpha_pods = ready_pods(kube, namespace, "alpha")
+    seen = []
+    for i in range(6):
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "alpha", "prompt": "The same long system prompt for every question. " * 8 + f"Q{i}",
+            "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        seen.append(r.headers["x-kvpilot-replica"])
+    assert set(seen) <= set(alpha_pods) and len(set(seen)) == 1, (seen, alpha_pods)  # one prefix, one replica
+    other = {httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "model": "alpha", "prompt": f"{i} a different prompt", "max_tokens": 2}).headers["x-kvpilot-replica"]
+        for i in range(12)}
+    assert other == set(alpha_pods)  # different prefixes spread over both replicas
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": "beta", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert r.status_code == 200 and r.headers["x-kvpilot-replica"] in ready_pods(kube, namespace, "beta")
+    r = httpx.post(f"{url}/v1/completions", timeout=60, json={"model": "gamma", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert 'kvpilot_gateway_requests_total{code="200",model="alpha",tenant="anonymous"} 18.0' in metrics
+    assert 'kvpilot_gateway_ready_replicas{model="alpha"} 2.0' in metrics
+
+
+def test_a_replica_vanishing_mid_stream_fails_that_stream_only(cluster, gateway, namespace, wait_for):
+    kube, url = gateway
+    cluster.apply(simulated(namespace, "gamma", 2))
+    wait_for(lambda: len(ready_pods(kube, namespace, "gamma")) == 2, timeout=300, interval=1,
+             what="gamma's two pods to be Ready")
+    wait_for(lambda: "gamma" in {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]},
+             timeout=60, interval=1, what="the gateway to list gamma")
+
+    async def streams():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            started: dict[str, str] = {}
+
+            async def stream(prompt: str) -> tuple[str, str]:
+                body = {"model": "gamma", "prompt": prompt, "max_tokens": 300, "ignore_eos": True, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    replica = r.headers["x-kvpilot-replica"]
+                    text = ""
+                    async for chunk in r.aiter_text():
+                        text += chunk
+                        started.setdefault(prompt, replica)
+                    return replica, text
+
+            # Prompts picked so the two streams land on different replicas.
+            candidates = [f"stream {i} " * 40 for i in range(40)]
+            tasks, replicas = [], set()
+            for prompt in candidates:
+                task = asyncio.create_task(stream(prompt))
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 60
+                while prompt not in started:
+                    assert loop.time() < deadline and not task.done(), "a stream did not start"
+                    await asyncio.sleep(0.05)
+                if started[prompt] in replicas:
+                    task.cancel()
+                    continue
+                replicas.add(started[prompt])
+                tasks.append(task)
+                if len(tasks) == 2:
+                    break
+            victim = started[candidates[0]]
+            cluster.kubectl("delete", "pod", victim, "-n", namespace, "--grace-period=0", "--force", check=False)
+            return victim, await asyncio.gather(*tasks)
+
+    victim, results = asyncio.run(streams())
+    by_replica = dict(results)
+    lost, kept = by_replica.pop(victim), next(iter(by_replica.values()))
+    assert '"upstream_failed"' in lost and not lost.rstrip().endswith("[DONE]"), lost[-500:]
+    assert kept.rstrip().endswith("data: [DONE]") and '"upstream_failed"' not in kept, kept[-500:]
+    events = [json.loads(e[6:]) for e in kept.split("\n\n") if e.startswith("data: {")]
+    assert sum(len(e["choices"][0]["text"]) > 0 for e in events if e.get("choices")) > 100
+    # New requests keep being served (by the surviving replica and, later, the replacement).
+    for i in range(5):
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={"model": "gamma", "prompt": f"after {i}",
+                                                                  "max_tokens": 2})
+        assert r.status_code == 200, r.text

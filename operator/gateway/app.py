@@ -1,0 +1,321 @@
+"""The gateway's ASGI application: /v1/completions and /v1/chat/completions routed by
+`model`, /v1/models, /health and /metrics. Every refusal is the OpenAI error envelope
+with the status a client can act on; no traceback reaches a client."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvpilot.engine.server.errors import APIError, send_error
+
+from .admission import AdmissionQueue
+from .config import GatewaySettings
+from .forward import (REQUEST_HEADERS, RESPONSE_HEADERS, USAGE_SCAN_BYTES, Attempt, SSEUsage,
+                      UpstreamFailed, Usage, inject_usage_request, open_upstream)
+from .metrics import GatewayMetrics
+from .prefix import prefix_key
+from .ratelimit import TenantLimits
+from .table import Backend, RoutingTable
+from .tenants import Tenant, Tenants
+
+log = logging.getLogger("kvpilot.gateway")
+ROUTES = {"/v1/completions", "/v1/chat/completions"}
+
+
+class ClientGone(Exception):
+    pass
+
+
+class Gateway:
+    def __init__(self, settings: GatewaySettings, table: RoutingTable, tenants: Tenants,
+                 client: httpx.AsyncClient, metrics: GatewayMetrics | None = None, clock=time.monotonic) -> None:
+        self.settings = settings
+        self.table = table
+        self.tenants = tenants
+        self.client = client
+        self.metrics = metrics or GatewayMetrics()
+        self.clock = clock
+        self.limits = {t.name: TenantLimits(t.requests_per_window, t.tokens_per_window, tenants.window)
+                       for t in tenants.tenants}
+
+    # ---- ASGI ----
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        started = False
+
+        async def tracked_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            if path in ROUTES:
+                if method != "POST":
+                    raise APIError(405, f"{path} takes POST, not {method}")
+                await self._proxy(scope, receive, tracked_send, path)
+            elif path == "/v1/models" and method == "GET":
+                await self._models(scope, tracked_send)
+            elif path == "/health" and method in ("GET", "HEAD"):
+                await _send_bytes(send, 200, b"", "text/plain")
+            elif path == "/metrics" and method == "GET":
+                self._refresh_gauges()
+                await _send_bytes(send, 200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST)
+            else:
+                raise APIError(404, f"no route {method} {path}")
+        except APIError as err:
+            if not started:
+                await send_error(send, err)
+        except ClientGone:
+            pass
+        except Exception:  # noqa: BLE001 (a bug here fails this request alone, never with a traceback)
+            log.exception("gateway: %s %s failed", method, path)
+            if not started:
+                await send_error(send, APIError(500, "the gateway failed to handle this request"))
+
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def _refresh_gauges(self) -> None:
+        self.metrics.replicas.clear()  # a model no longer served loses its series
+        for model in self.table.models():
+            self.metrics.replicas.labels(model).set(len(self.table.get(model).replicas))
+
+    def _tenant(self, scope) -> Tenant:
+        tenant = self.tenants.authenticate(_header(scope, b"authorization"))
+        if tenant is None:
+            raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer KEY` with a key "
+                           "this gateway knows")
+        return tenant
+
+    async def _models(self, scope, send) -> None:
+        tenant = self._tenant(scope)
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvpilot"}
+                for m in self.table.models() if tenant.may_use(m)]
+        await _send_bytes(send, 200, json.dumps({"object": "list", "data": data}).encode(), "application/json")
+
+    # ---- the proxied request ----
+    async def _proxy(self, scope, receive, send, path: str) -> None:
+        started = self.clock()
+        tenant = self._tenant(scope)
+        body = await self._read_body(receive)
+        payload = _json_object(body)
+        model = payload.get("model")
+        if not isinstance(model, str) or not model:
+            raise APIError(400, "`model` is required: a string naming a served model", param="model")
+        backend = self.table.get(model)
+        if backend is None or not tenant.may_use(model):
+            raise APIError(404, f"The model `{model}` does not exist or you do not have access to it.",
+                           param="model", code="model_not_found")
+        code = 500
+        try:
+            code = await self._admit_and_forward(scope, receive, send, path, body, payload, tenant, backend,
+                                                 started)
+        except APIError as err:
+            code = err.status
+            raise
+        finally:
+            self.metrics.requests.labels(model, tenant.name, str(code)).inc()
+            self.metrics.duration.labels(model).observe(self.clock() - started)
+
+    async def _admit_and_forward(self, scope, receive, send, path, body, payload, tenant, backend: Backend,
+                                 started: float) -> int:
+        limits = self.limits.get(tenant.name)
+        refused = limits.admit(self.clock()) if limits else None
+        if refused is not None:
+            which, retry_after = refused
+            self.metrics.rate_limited.labels(tenant.name, which).inc()
+            err = APIError(429, f"tenant {tenant.name} is over its {which} limit "
+                           f"({getattr(limits, which).limit} per {self.tenants.window:g} s); retry after "
+                           f"{retry_after} s", type="rate_limit_error", code="rate_limit_exceeded")
+            await send_error(send, err, [(b"retry-after", str(retry_after).encode())])
+            return 429
+        await self._acquire(backend, tenant)
+        try:
+            return await self._forward(scope, receive, send, path, body, payload, tenant, backend, started)
+        finally:
+            backend.queue.release()
+
+    async def _acquire(self, backend: Backend, tenant: Tenant) -> None:
+        queue: AdmissionQueue = backend.queue
+        waited_from = self.clock()
+        held = not backend.replicas and backend.deployment is not None
+        gauge = self.metrics.queue_waiting.labels(backend.model)
+        held_gauge = self.metrics.held.labels(backend.namespace, backend.deployment) if held else None
+        gauge.inc()
+        if held_gauge:
+            held_gauge.inc()
+        try:
+            granted = await queue.acquire(tenant.priority, self.settings.queue_timeout)
+        finally:
+            gauge.dec()
+            if held_gauge:
+                held_gauge.dec()
+        self.metrics.queue_wait.labels(backend.model).observe(self.clock() - waited_from)
+        if not granted:
+            reason = (f"model `{backend.model}` has no ready replica" if not backend.replicas else
+                      f"every replica of `{backend.model}` is busy")
+            raise APIError(503, f"{reason}; waited {self.settings.queue_timeout:g} s in the gateway's queue")
+
+    async def _forward(self, scope, receive, send, path, body, payload, tenant, backend: Backend,
+                       started: float) -> int:
+        route = backend.picker.pick(list(backend.replicas.values()), prefix_key(payload, self.settings.prefix_chars))
+        if route is None:
+            raise APIError(503, f"model `{backend.model}` has no ready replica")
+        self.metrics.routing.labels(backend.model, route.reason).inc()
+        stream = payload.get("stream") is True
+        strip_usage = False
+        if stream and limits_tokens(self.limits.get(tenant.name)):
+            strip_usage = inject_usage_request(payload)
+            if strip_usage:
+                body = json.dumps(payload).encode()
+        headers = {k: v for k in REQUEST_HEADERS if (v := _header(scope, k.encode())) is not None}
+        attempt = Attempt()
+        try:
+            upstream = await open_upstream(self.client, route.order, path, body, headers,
+                                           self.settings.retries + 1, attempt)
+        except UpstreamFailed as e:
+            raise APIError(e.status, f"model `{backend.model}`: {e}",
+                           type="server_error", code="upstream_unavailable") from None
+        finally:
+            for cause in attempt.retries:
+                self.metrics.retries.labels(backend.model, cause).inc()
+        replica = attempt.replica
+        usage = Usage()
+        try:
+            code = await self._relay(upstream, receive, send, stream, SSEUsage(usage, strip_usage), usage,
+                                     replica.name)
+        finally:
+            replica.in_flight -= 1
+            await upstream.aclose()
+        self._account(tenant, backend.model, usage)
+        log.info("%s tenant=%s model=%s replica=%s status=%d retries=%d prompt_tokens=%d "
+                 "completion_tokens=%d seconds=%.3f%s", path, tenant.name, backend.model, replica.name, code,
+                 len(attempt.retries), usage.prompt_tokens, usage.completion_tokens, self.clock() - started,
+                 f" prompt={json.dumps(payload.get('prompt', payload.get('messages')))[:2000]}"
+                 if self.settings.log_prompts else "")
+        return code
+
+    async def _relay(self, upstream: httpx.Response, receive, send, stream: bool, sse: SSEUsage,
+                     usage: Usage, replica: str) -> int:
+        """The response, chunk by chunk as the replica sends it. A replica lost mid-stream
+        ends that stream with an error event; the client leaving closes the upstream (the
+        engine then aborts the request)."""
+        headers = [(k.encode(), upstream.headers[k].encode()) for k in RESPONSE_HEADERS if k in upstream.headers]
+        headers.append((b"x-kvpilot-replica", replica.encode()))
+        await send({"type": "http.response.start", "status": upstream.status_code, "headers": headers})
+        scanned = bytearray()
+        pump = asyncio.create_task(self._pump(upstream, send, stream, sse, scanned))
+        gone = asyncio.create_task(_disconnected(receive))
+        try:
+            await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not pump.done():  # the client left (or this task was cancelled): stop reading
+                pump.cancel()
+                await asyncio.gather(pump, return_exceptions=True)
+        if not pump.done() or pump.cancelled():
+            raise ClientGone()
+        failure = pump.result()
+        if failure is not None:
+            log.warning("replica %s failed mid-response: %s: %s", replica, type(failure).__name__, failure)
+            tail = sse.flush() if stream else b""
+            if stream:
+                err = APIError(502, f"the replica serving this stream failed: {type(failure).__name__}",
+                               type="server_error", code="upstream_failed")
+                tail += b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+            return 502
+        await send({"type": "http.response.body", "body": sse.flush() if stream else b"", "more_body": False})
+        if not stream and upstream.status_code == 200 and len(scanned) < USAGE_SCAN_BYTES:
+            try:
+                usage.read(json.loads(bytes(scanned)))
+            except ValueError:
+                pass
+        return upstream.status_code
+
+    @staticmethod
+    async def _pump(upstream: httpx.Response, send, stream: bool, sse: SSEUsage,
+                    scanned: bytearray) -> httpx.HTTPError | None:
+        """Copy the body to the client; the replica's failure is returned, not raised."""
+        try:
+            async for chunk in upstream.aiter_raw():
+                if stream:
+                    chunk = sse.feed(chunk)
+                elif len(scanned) < USAGE_SCAN_BYTES:
+                    scanned += chunk
+                if chunk:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError as e:
+            return e
+        return None
+
+    def _account(self, tenant: Tenant, model: str, usage: Usage) -> None:
+        total = usage.prompt_tokens + usage.completion_tokens
+        if not total:
+            return
+        self.metrics.tokens.labels(tenant.name, model, "prompt").inc(usage.prompt_tokens)
+        self.metrics.tokens.labels(tenant.name, model, "completion").inc(usage.completion_tokens)
+        limits = self.limits.get(tenant.name)
+        if limits is not None:
+            limits.charge_tokens(self.clock(), total)
+
+    async def _read_body(self, receive) -> bytes:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.settings.max_body_bytes:
+                raise APIError(413, f"request body is larger than {self.settings.max_body_bytes} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                return b"".join(chunks)
+
+
+def limits_tokens(limits: TenantLimits | None) -> bool:
+    return limits is not None and limits.tokens is not None
+
+
+def _json_object(body: bytes) -> dict:
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError):
+        raise APIError(400, "the request body is not valid JSON") from None
+    if not isinstance(payload, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return payload
+
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _send_bytes(send, status: int, body: bytes, content_type: str) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,77 @@
+"""`kvpilot gateway`: registered by module name (pyproject's kvpilot.commands entry points),
+so the engine's command line never imports the operator."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from kvpilot.engine.flags import add_dataclass_flags, dataclass_from_args
+
+from .config import GatewaySettings
+
+log = logging.getLogger("kvpilot.gateway")
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("gateway", help="one OpenAI endpoint for many LLMDeployments (prefix- and "
+                              "load-aware routing, tenants, rate limits)")
+    add_dataclass_flags(p, GatewaySettings, prefix="")
+    p.add_argument("--backend", action="append", default=[], metavar="MODEL=URL[,URL...]",
+                   help="serve MODEL from these engine URLs instead of discovering LLMDeployments "
+                        "(repeatable; no Kubernetes API needed)")
+    p.add_argument("--namespace", "-n", action="append", default=[],
+                   help="serve the LLMDeployments of this namespace (repeatable); default: all namespaces")
+    p.set_defaults(func=_cmd_gateway)
+
+    from .bench import add_parser as add_bench_parser
+
+    add_bench_parser(subparsers)
+
+
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    settings = dataclass_from_args(GatewaySettings, args, prefix="", backend=args.backend,
+                                   namespace=args.namespace)
+    return asyncio.run(serve(settings))
+
+
+async def serve(settings: GatewaySettings) -> int:
+    import httpx
+    import uvicorn
+
+    from .app import Gateway
+    from .discovery import KubernetesDiscovery, parse_backend_flag
+    from .picker import Picker
+    from .scrape import scrape_loop
+    from .table import RoutingTable
+    from .tenants import Tenants
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per proxied request
+    tenants = Tenants.load(settings.tenants_file) if settings.tenants_file else Tenants.unrestricted()
+    table = RoutingTable(lambda: Picker(settings.routing, settings.load_factor,
+                                        kv_saturation=settings.kv_saturation), settings.per_replica_concurrency)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
+    timeout = httpx.Timeout(None, connect=settings.connect_timeout)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client, \
+            httpx.AsyncClient(timeout=httpx.Timeout(settings.scrape_interval)) as scraper:
+        tasks = []
+        if settings.backend:
+            table.update([parse_backend_flag(b) for b in settings.backend])
+        else:
+            discovery = KubernetesDiscovery(settings.namespace, settings.refresh_interval)
+            tasks.append(asyncio.create_task(discovery.run(table.update)))
+        tasks.append(asyncio.create_task(scrape_loop(scraper, table.all_replicas, settings.scrape_interval)))
+        gateway = Gateway(settings, table, tenants, client)
+        log.warning("gateway: %s routing on %s:%d; %s; tenants: %s", settings.routing, settings.host,
+                    settings.port, f"backends {', '.join(table.models())}" if settings.backend else
+                    f"LLMDeployments in {', '.join(settings.namespace) or 'all namespaces'}",
+                    ", ".join(t.name for t in tenants.tenants) or "none (open)")
+        config = uvicorn.Config(gateway, host=settings.host, port=settings.port, log_level="warning",
+                                access_log=False, lifespan="on", timeout_keep_alive=75)
+        try:
+            await uvicorn.Server(config).serve()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return 0

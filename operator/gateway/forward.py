@@ -1,0 +1,120 @@
+"""One request's trip to a replica: send, retry on another replica while nothing has
+reached the client, then stream the answer through as it arrives (never buffered), and
+read the engines' `usage` on the way for the tenant's token limit."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import httpx
+
+from .replicas import Replica
+
+# Headers passed on to the replica and back to the client (everything else is hop-by-hop
+# or the gateway's own: the tenant's key stays here).
+REQUEST_HEADERS = ("content-type", "accept", "x-request-id", "traceparent", "tracestate")
+RESPONSE_HEADERS = ("content-type", "x-request-id", "retry-after", "cache-control")
+RETRYABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
+USAGE_SCAN_BYTES = 1 << 22  # a non-streamed answer larger than this is passed on unread
+
+
+class UpstreamFailed(Exception):
+    """No replica gave a response (all refused connections or answered 503)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def read(self, payload: dict) -> None:
+        usage = payload.get("usage")
+        if isinstance(usage, dict):
+            self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            self.completion_tokens = int(usage.get("completion_tokens") or 0)
+
+
+@dataclass
+class Attempt:
+    replica: Replica | None = None
+    retries: list[str] = field(default_factory=list)  # causes, in order
+
+
+async def open_upstream(client: httpx.AsyncClient, order: tuple[Replica, ...], path: str, body: bytes,
+                        headers: dict[str, str], attempts: int, attempt: Attempt) -> httpx.Response:
+    """The first replica's response (headers read, body not), trying the next replica on a
+    connection failure or a 503 (a draining or overloaded pod), at most `attempts` in all."""
+    failure, cause, status = "no ready replica", None, 503
+    last_index = min(attempts, len(order)) - 1
+    for i, replica in enumerate(order[:attempts]):
+        if cause is not None:
+            attempt.retries.append(cause)
+        attempt.replica = replica
+        replica.in_flight += 1
+        try:
+            request = client.build_request("POST", replica.url + path, content=body, headers=headers)
+            response = await client.send(request, stream=True)
+        except RETRYABLE_ERRORS as e:
+            replica.in_flight -= 1
+            failure, cause, status = f"{replica.name}: {type(e).__name__}: {e}", "connect_error", 502
+            continue
+        except BaseException:
+            replica.in_flight -= 1
+            raise
+        if response.status_code == 503 and i < last_index:
+            await response.aclose()
+            replica.in_flight -= 1
+            failure, cause, status = f"{replica.name} answered 503", "unavailable", 503
+            continue
+        return response  # the caller decrements in_flight when the body is done
+    raise UpstreamFailed(f"no replica answered ({failure})", status)
+
+
+class SSEUsage:
+    """Splits a server-sent-event stream into whole events so `usage` can be read, and
+    drops the usage-only event when the gateway asked for it and the client did not."""
+
+    def __init__(self, usage: Usage, strip_usage_event: bool) -> None:
+        self.usage = usage
+        self.strip = strip_usage_event
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._pending + chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._pending = data
+            return b""
+        complete, self._pending = data[:end + 2], data[end + 2:]
+        if b'"usage":{' not in complete and b'"usage": {' not in complete:
+            return complete
+        kept = []
+        for event in complete.split(b"\n\n")[:-1]:
+            if event.startswith(b"data: {") and (b'"usage":{' in event or b'"usage": {' in event):
+                try:
+                    payload = json.loads(event[6:])
+                except ValueError:
+                    payload = {}
+                self.usage.read(payload)
+                if self.strip and payload.get("choices") == []:
+                    continue
+            kept.append(event + b"\n\n")
+        return b"".join(kept)
+
+    def flush(self) -> bytes:
+        rest, self._pending = self._pending, b""
+        return rest
+
+
+def inject_usage_request(payload: dict) -> bool:
+    """Ask a streaming request for its usage event (the token limit needs it). True when
+    the client had not asked, so the event is dropped before it reaches the client."""
+    options = payload.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage"):
+        return False
+    payload["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    return True

@@ -1,0 +1,42 @@
+"""The gateway's Prometheus metrics, in its own registry (one per gateway instance)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvpilot_gateway_requests_total",
+                                "Requests answered, by model, tenant and HTTP status", ["model", "tenant", "code"],
+                                registry=r)
+        self.routing = Counter("kvpilot_gateway_routing_decisions_total",
+                               "Replica choices by model and reason (prefix: the prefix's own replica; "
+                               "prefix_spill: the next one on the ring, the own one being at its load bound "
+                               "or saturated; least_loaded; round_robin)", ["model", "reason"], registry=r)
+        self.retries = Counter("kvpilot_gateway_retries_total",
+                               "Requests sent again to another replica, by model and cause "
+                               "(connect_error: no connection; unavailable: the pod answered 503, draining)",
+                               ["model", "cause"], registry=r)
+        self.rate_limited = Counter("kvpilot_gateway_rate_limited_total",
+                                    "Requests refused with 429, by tenant and limit (requests|tokens)",
+                                    ["tenant", "limit"], registry=r)
+        self.tokens = Counter("kvpilot_gateway_tokens_total",
+                              "Tokens the engines reported in `usage`, by tenant, model and kind "
+                              "(prompt|completion)", ["tenant", "model", "kind"], registry=r)
+        self.queue_waiting = Gauge("kvpilot_gateway_queue_waiting",
+                                   "Requests waiting in the gateway's queue for a slot, by model",
+                                   ["model"], registry=r)
+        self.held = Gauge("kvpilot_gateway_held_requests",
+                          "Requests held for an LLMDeployment with no ready replica (scale from zero)",
+                          ["llmdeployment_namespace", "llmdeployment"], registry=r)
+        self.queue_wait = Histogram("kvpilot_gateway_queue_wait_seconds",
+                                    "Time a request waited in the gateway's queue, by model", ["model"],
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.duration = Histogram("kvpilot_gateway_request_duration_seconds",
+                                  "Time from a request's arrival to its last byte, by model", ["model"],
+                                  buckets=LATENCY_BUCKETS, registry=r)
+        self.replicas = Gauge("kvpilot_gateway_ready_replicas", "Ready replicas the gateway routes to, "
+                              "by model", ["model"], registry=r)

@@ -1,0 +1,59 @@
+"""What the gateway knows about each serving pod: where it is, whether it is ready, the
+requests it has from this gateway, and the load it last reported on /metrics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# vLLM's gauges, as every kvpilot engine pod exports them.
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+
+
+@dataclass
+class ReplicaLoad:
+    """A pod's own report (None until the first scrape answers)."""
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    scraped_at: float | None = None
+
+
+@dataclass
+class Replica:
+    name: str  # the pod's name: stable across scrapes, the ring's id
+    url: str  # http://IP:PORT
+    in_flight: int = 0  # requests this gateway has open on it now
+    load: ReplicaLoad = field(default_factory=ReplicaLoad)
+
+    def queue_depth(self) -> float:
+        """Requests on the pod: the larger of what it reported and what this gateway has
+        sent it since (the report lags by up to a scrape interval)."""
+        return max(float(self.in_flight), self.load.running + self.load.waiting)
+
+    def saturated(self, kv_threshold: float) -> bool:
+        """Requests are waiting while the KV cache is nearly full: more would queue."""
+        return self.load.waiting > 0 and self.load.kv_usage >= kv_threshold
+
+
+def parse_load(text: str, now: float) -> ReplicaLoad:
+    """The three gauges from a Prometheus text exposition (summed over label sets)."""
+    values = {RUNNING: 0.0, WAITING: 0.0, KV_USAGE: 0.0}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name_end = len(line)
+        for i, ch in enumerate(line):
+            if ch in "{ ":
+                name_end = i
+                break
+        name = line[:name_end]
+        if name not in values:
+            continue
+        rest = line[line.rfind("}") + 1:] if line[name_end:name_end + 1] == "{" else line[name_end:]
+        try:  # `value [timestamp]`
+            values[name] += float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+    return ReplicaLoad(running=values[RUNNING], waiting=values[WAITING], kv_usage=values[KV_USAGE],
+                       scraped_at=now)
