@@ -298,8 +298,13 @@ class Autoscaling(Model):
         rule("self.minReplicas <= self.maxReplicas",
              "autoscaling.minReplicas must be <= autoscaling.maxReplicas", ".minReplicas"),
     ]})
-    min_replicas: int = Field(default=1, ge=0, le=1000)
+    min_replicas: int = Field(default=1, ge=0, le=1000, description=(
+        "0 lets the autotuner (mode Auto) scale an idle deployment to zero after scaleToZeroAfter; "
+        "kvpilot's gateway holds a request for it and scales it back to one."))
     max_replicas: int = Field(default=4, ge=1, le=1000)
+    scale_to_zero_after: str = Field(default="15m", pattern=DURATION_PATTERN, description=(
+        "With minReplicas 0: how long without a request (and with every pod up at least this long) "
+        "before the autotuner scales the deployment to zero."))
 
 
 class IntRange(Model):

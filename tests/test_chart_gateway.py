@@ -16,9 +16,10 @@ from test_chart import CHART, helm, render  # noqa: F401  (helm: the fixture)
 NS = "kvpilot-system"
 GW = "kvpilot-gateway"  # <fullname>-gateway for the release "kvpilot"
 KEYS = "/etc/kvpilot/gateway/keys"
-READ_ONLY = [  # what the gateway routes to: LLMDeployments and their engine pods
+GATEWAY_RULES = [  # reads what it routes to (LLMDeployments, their pods); writes only a scale from zero
     {"apiGroups": ["serving.kvpilot.dev"], "resources": ["llmdeployments"], "verbs": ["get", "list", "watch"]},
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["serving.kvpilot.dev"], "resources": ["llmdeployments/scale"], "verbs": ["get", "patch"]}]
 
 TWO_TENANTS = [
     {"name": "search", "apiKeySecret": {"name": "search-key"}, "models": ["llama-*"],
@@ -68,7 +69,7 @@ def test_default_gateway_deployment(helm):  # noqa: F811
     assert c["image"] == operator["spec"]["template"]["spec"]["containers"][0]["image"] == "kvpilot/engine:0.1.0"
     assert c["command"] == ["kvpilot", "--log-level", "INFO", "gateway"]
     assert c["args"] == ["--port=8000", "--routing=prefix", "--load-factor=1.25", "--per-replica-concurrency=256",
-                         "--queue-timeout=60", "--retries=2", "--refresh-interval=1", "--scrape-interval=1",
+                         "--queue-timeout=60", "--scale-from-zero-timeout=300", "--retries=2", "--refresh-interval=1", "--scrape-interval=1",
                          "--no-log-prompts"]
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     for probe in ("readinessProbe", "livenessProbe"):
@@ -108,15 +109,15 @@ def test_flags_follow_values(helm):  # noqa: F811
     c = container(docs)
     assert c["command"] == ["kvpilot", "--log-level", "DEBUG", "gateway"]
     assert c["args"] == ["--port=9000", "--routing=least-loaded", "--load-factor=1.5",
-                         "--per-replica-concurrency=64", "--queue-timeout=5", "--retries=0", "--refresh-interval=1",
+                         "--per-replica-concurrency=64", "--queue-timeout=5", "--scale-from-zero-timeout=300", "--retries=0", "--refresh-interval=1",
                          "--scrape-interval=1", "--log-prompts"]
     assert c["ports"][0]["containerPort"] == 9000
 
 
-def test_cluster_wide_rbac_only_reads(helm):  # noqa: F811
+def test_cluster_wide_rbac_reads_and_scales_from_zero(helm):  # noqa: F811
     docs = render(helm)
     (role,) = named(docs, "ClusterRole", GW)
-    assert role["rules"] == READ_ONLY
+    assert role["rules"] == GATEWAY_RULES
     (binding,) = named(docs, "ClusterRoleBinding", GW)
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": GW}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": GW, "namespace": NS}]
@@ -129,7 +130,7 @@ def test_watch_namespaces_give_roles_and_namespace_flags(helm):  # noqa: F811
     roles, bindings = named(docs, "Role", GW), named(docs, "RoleBinding", GW)
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
-    assert all(r["rules"] == READ_ONLY for r in roles)
+    assert all(r["rules"] == GATEWAY_RULES for r in roles)
     for b in bindings:
         assert b["roleRef"]["kind"] == "Role" and b["roleRef"]["name"] == GW
         assert b["subjects"] == [{"kind": "ServiceAccount", "name": GW, "namespace": NS}]

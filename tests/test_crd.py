@@ -89,7 +89,7 @@ def test_the_example_fields_exist_with_defaults_and_validation():
     # must hold for it (the API server checks a default against the rules as written).
     assert p["resources"]["default"] == {} and p["service"]["default"] == {}
     assert p["engine"]["default"]["image"] == "kvpilot/engine:0.1.0"
-    assert p["autoscaling"]["default"] == {"minReplicas": 1, "maxReplicas": 4}
+    assert p["autoscaling"]["default"] == {"minReplicas": 1, "maxReplicas": 4, "scaleToZeroAfter": "15m"}
     assert p["autotune"]["default"]["maxNumSeqs"] == {"min": 1, "max": 1024}
     rules = " ".join(r["rule"] for r in spec["x-kubernetes-validations"])
     assert "autotune.maxNumSeqs.min" in rules and "autotune.maxModelLen.max" in rules

@@ -277,3 +277,34 @@ def test_usage_header_json_is_parsed_for_non_streaming_answers(tmp_path):
             assert 'kvpilot_gateway_tokens_total{kind="prompt",model="m1",tenant="team-a"} 10.0' in text
             assert json.loads((await client.get("/v1/models", headers=a)).text)["object"] == "list"
     run(main())
+
+
+def test_a_deployment_at_zero_is_woken_once_and_its_held_requests_are_served():
+    async def main():
+        engine = FakeEngine("woken")
+        async with gateway({"m": []}, queue_timeout=0.2, scale_from_zero_timeout=20) as (client, app, table):
+            table.update([BackendSnapshot("m", "ns", "m", (), desired_replicas=0)])
+            woken = []
+
+            class Waker:  # the operator and the kubelet, in one step: spec.replicas 1, then a ready pod
+                async def wake(self, namespace, name):
+                    woken.append((namespace, name))
+                    table.update([BackendSnapshot("m", "ns", "m", (), desired_replicas=1)])
+
+            app.waker = Waker()
+            async with serving(engine, engine.port):
+                requests = [asyncio.create_task(client.post("/v1/completions", json=completion(prompt=f"p{i}")))
+                            for i in range(3)]
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 10
+                while 'kvpilot_gateway_held_requests{llmdeployment="m",llmdeployment_namespace="ns"} 3.0' \
+                        not in (await client.get("/metrics")).text:
+                    assert loop.time() < deadline
+                    await asyncio.sleep(0.02)
+                assert woken == [("ns", "m")]  # three held requests, one scale-up
+                table.update([BackendSnapshot("m", "ns", "m", (("woken", engine.url),), desired_replicas=1)])
+                answers = await asyncio.gather(*requests)
+            assert [r.status_code for r in answers] == [200] * 3  # held past queue_timeout: nothing dropped
+            metrics = (await client.get("/metrics")).text
+            assert 'kvpilot_gateway_scale_from_zero_total{llmdeployment="m",llmdeployment_namespace="ns"} 1.0' in metrics
+    run(main())

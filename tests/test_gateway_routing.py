@@ -165,3 +165,36 @@ def test_table_keeps_replicas_across_refreshes_and_sets_capacity():
     assert table.get("m").namespace == "ns" and table.get("m").queue.capacity == 0  # the older one wins
     table.update([])
     assert table.get("m") is None and table.models() == []
+
+
+def pod(name, ns="demo", owner="llama", ip="10.1.0.1", ready=True, terminating=False, port=None):
+    meta = {"name": name, "namespace": ns, "labels": {"serving.kvpilot.dev/llmdeployment": owner}}
+    if terminating:
+        meta["deletionTimestamp"] = "2026-12-03T00:00:00Z"
+    containers = [{"name": "engine", "ports": [{"name": "http", "containerPort": port}]}] if port else [{}]
+    return {"metadata": meta, "spec": {"containers": containers},
+            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def test_discovery_snapshots_from_the_api_objects():
+    from kvpilot.operator.gateway.discovery import parse_backend_flag, snapshots_from_objects
+
+    deployments = [
+        {"metadata": {"name": "llama", "namespace": "demo", "creationTimestamp": "2026-01-01T00:00:00Z"},
+         "spec": {"model": {"servedName": "llama-3.1-8b"}, "replicas": 3}},
+        {"metadata": {"name": "idle", "namespace": "demo"}, "spec": {"replicas": 0}},
+        {"metadata": {"name": "gone", "namespace": "demo", "deletionTimestamp": "x"}, "spec": {}},
+    ]
+    pods = [pod("llama-b", ip="10.1.0.2"), pod("llama-a", ip="10.1.0.1", port=9000),
+            pod("llama-c", ready=False), pod("llama-d", terminating=True),
+            pod("other-ns", ns="prod"), pod("no-ip", ip=None)]
+    llama, idle = snapshots_from_objects(deployments, pods)
+    assert (llama.model, llama.namespace, llama.deployment, llama.desired_replicas) == (
+        "llama-3.1-8b", "demo", "llama", 3)
+    assert llama.endpoints == (("llama-a", "http://10.1.0.1:9000"), ("llama-b", "http://10.1.0.2:8000"))
+    assert (idle.model, idle.endpoints, idle.desired_replicas) == ("idle", (), 0)
+    snap = parse_backend_flag("tiny=http://a:1, http://b:2/")
+    assert snap.endpoints == (("tiny-0", "http://a:1"), ("tiny-1", "http://b:2")) and snap.deployment is None
+    for bad in ("tiny", "=http://a", "tiny=ftp://a"):
+        with pytest.raises(ValueError, match="--backend"):
+            parse_backend_flag(bad)

@@ -22,9 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .prometheus import (DEFAULT_REFUSAL_METRIC, Answers, FleetTarget, QueryClient, assemble_snapshot,
+from .prometheus import (DEFAULT_REFUSAL_METRIC, Answers, FleetTarget, QueryClient, Target, assemble_snapshot,
                          build_freshness_queries, build_queries, build_settings_queries, checked_query, duration,
-                         instant_samples)
+                         instant_samples, read_idle)
 from .signals import Snapshot
 
 Key = tuple[str, str]  # (namespace, deployment)
@@ -63,6 +63,11 @@ class FleetReader:
         self._guard = threading.Lock()
         self._pending: dict[tuple, threading.Lock] = {}
         self._answers: dict[tuple, FleetAnswers | Exception] = {}
+
+    def idle(self, namespace: str, name: str, period_s: float):
+        """One deployment's IdleReport (asked only of quiet deployments with minReplicas 0)."""
+        target = Target(namespace, name, self.target.label, self.target.namespace_label, self.target.pod_label)
+        return read_idle(self.client, self.url, target, period_s)
 
     def snapshot(self, namespace: str, name: str, window_s: float, at: float | None = None) -> Snapshot:
         answers = self.fleet_answers(window_s, at)

@@ -54,6 +54,7 @@ from .metrics_condition import METRICS_CONDITION, metrics_condition
 from .prometheus import PrometheusReader
 from .query_client import connect
 from .report import AdviceStatus, advice_status, build_report, history_from_status
+from .scale_to_zero import quiet, scale_to_zero
 from .signals import Snapshot
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,21 @@ def capacity_plan(snap: Snapshot | None, current: Settings) -> CapacityPlan | No
                          weight_bytes=int(snap.weight_bytes) if snap.weight_bytes else None)
 
 
+def _to_zero(reader, spec: LLMDeploymentSpec, owner, current: Settings, snap: Snapshot,
+             now: float) -> Decision | None:
+    """The scale-to-zero decision when minReplicas is 0 and this window was quiet (only then
+    is the longer idle period read); None otherwise, or when that read fails."""
+    if spec.autoscaling.min_replicas != 0 or current.replicas < 1 or not quiet(snap) or not hasattr(reader, "idle"):
+        return None
+    after_s = parse_duration(spec.autoscaling.scale_to_zero_after)
+    try:
+        idle = reader.idle(owner.namespace, owner.name, after_s)
+    except Exception as e:  # no verdict on idleness: the usual rules decide
+        log.warning("autotune %s/%s: reading the idle period failed: %s", owner.namespace, owner.name, e)
+        return None
+    return scale_to_zero(idle, current, bounds_for(spec), after_s, now)
+
+
 def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None = None,
                   now: float | None = None) -> AutotuneOutcome:
     spec, at, owner, kube = ctx.spec, ctx.spec.autotune, ctx.owner, ctx.kube
@@ -171,8 +187,8 @@ def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None 
     snap: Snapshot | None = None
     read_error: Exception | None = None
     try:
-        snap = (reader_factory or default_reader)(at.prometheus.url).snapshot(
-            owner.namespace, owner.name, parse_duration(at.window))
+        reader = (reader_factory or default_reader)(at.prometheus.url)
+        snap = reader.snapshot(owner.namespace, owner.name, parse_duration(at.window))
     except Exception as e:  # Prometheus down, refusing or answering garbage: no data, never a guess
         read_error = e
         log.warning("autotune %s/%s: reading Prometheus failed: %s", owner.namespace, owner.name, e)
@@ -181,7 +197,8 @@ def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None 
     plan = capacity_plan(snap, current)
     if snap is not None:
         history = history.observe(observation(snap, current.replicas))
-        decision = decide(snap, current, bounds_for(spec), history, now, capacity=plan, thresholds=thresholds)
+        decision = (_to_zero(reader, spec, owner, current, snap, now)
+                    or decide(snap, current, bounds_for(spec), history, now, capacity=plan, thresholds=thresholds))
 
     auto = at.mode == "Auto"
     applied = auto and decision.changes_something

@@ -294,6 +294,24 @@ def checked_query(client: QueryClient, url: str, q: str, params: dict | None = N
     return result
 
 
+def build_idle_queries(target: Target, period_s: float) -> dict[str, str]:
+    """IdleReport field -> PromQL over one deployment (scale_to_zero.py)."""
+    sel, w = target.selector, duration(period_s)
+    return {"requests": f"sum(increase(vllm:e2e_request_latency_seconds_count{{{sel}}}[{w}]))",
+            "in_flight": f"sum(vllm:num_requests_running{{{sel}}}) + sum(vllm:num_requests_waiting{{{sel}}})",
+            "youngest_pod_s": f"min(time() - process_start_time_seconds{{{sel}}})"}
+
+
+def read_idle(client: QueryClient, url: str, target: Target, period_s: float):
+    from .scale_to_zero import IdleReport
+
+    values = {}
+    for field, q in build_idle_queries(target, period_s).items():
+        value = _value(checked_query(client, url, q))
+        values[field] = value[1] if value is not None else None
+    return IdleReport(**values)
+
+
 class PrometheusReader:
     """Snapshot = reader.snapshot(namespace, name, window_s)."""
 
@@ -314,6 +332,10 @@ class PrometheusReader:
 
     def target(self, namespace: str, name: str) -> Target:
         return Target(namespace, name, self.label, self.namespace_label, self.pod_label)
+
+    def idle(self, namespace: str, name: str, period_s: float):
+        """The IdleReport of the `period_s` seconds ending now."""
+        return read_idle(self.client, self.url, self.target(namespace, name), period_s)
 
     def snapshot(self, namespace: str, name: str, window_s: float, at: float | None = None) -> Snapshot:
         """The deployment's signals over the `window_s` seconds ending at `at` (unix

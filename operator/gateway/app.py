@@ -25,6 +25,7 @@ from .tenants import Tenant, Tenants
 
 log = logging.getLogger("kvpilot.gateway")
 ROUTES = {"/v1/completions", "/v1/chat/completions"}
+WAKE_RETRY_S = 10.0  # at most one scale-from-zero write per deployment this often
 
 
 class ClientGone(Exception):
@@ -33,13 +34,17 @@ class ClientGone(Exception):
 
 class Gateway:
     def __init__(self, settings: GatewaySettings, table: RoutingTable, tenants: Tenants,
-                 client: httpx.AsyncClient, metrics: GatewayMetrics | None = None, clock=time.monotonic) -> None:
+                 client: httpx.AsyncClient, metrics: GatewayMetrics | None = None, clock=time.monotonic,
+                 waker=None) -> None:
         self.settings = settings
         self.table = table
         self.tenants = tenants
         self.client = client
         self.metrics = metrics or GatewayMetrics()
         self.clock = clock
+        self.waker = waker  # KubernetesScaler (wake(namespace, name)); None: nothing scales from zero
+        self._woken: dict[tuple[str, str], float] = {}
+        self._tasks: set[asyncio.Task] = set()
         self.limits = {t.name: TenantLimits(t.requests_per_window, t.tokens_per_window, tenants.window)
                        for t in tenants.tenants}
 
@@ -154,13 +159,16 @@ class Gateway:
         queue: AdmissionQueue = backend.queue
         waited_from = self.clock()
         held = not backend.replicas and backend.deployment is not None
+        if held and backend.scaled_to_zero:
+            self._wake(backend)
         gauge = self.metrics.queue_waiting.labels(backend.model)
         held_gauge = self.metrics.held.labels(backend.namespace, backend.deployment) if held else None
         gauge.inc()
         if held_gauge:
             held_gauge.inc()
         try:
-            granted = await queue.acquire(tenant.priority, self.settings.queue_timeout)
+            timeout = self.settings.scale_from_zero_timeout if held else self.settings.queue_timeout
+            granted = await queue.acquire(tenant.priority, timeout)
         finally:
             gauge.dec()
             if held_gauge:
@@ -169,7 +177,28 @@ class Gateway:
         if not granted:
             reason = (f"model `{backend.model}` has no ready replica" if not backend.replicas else
                       f"every replica of `{backend.model}` is busy")
-            raise APIError(503, f"{reason}; waited {self.settings.queue_timeout:g} s in the gateway's queue")
+            raise APIError(503, f"{reason}; waited {timeout:g} s in the gateway's queue")
+
+    def _wake(self, backend: Backend) -> None:
+        """Scale a deployment at zero to one replica (in the background; the request waits
+        in the queue meanwhile). A failed write is retried by the next held request."""
+        key = (backend.namespace, backend.deployment)
+        now = self.clock()
+        if self.waker is None or now - self._woken.get(key, -WAKE_RETRY_S) < WAKE_RETRY_S:
+            return
+
+        async def wake() -> None:
+            try:
+                await self.waker.wake(*key)
+                self.metrics.wakes.labels(*key).inc()
+                log.warning("scale from zero: %s/%s set to 1 replica for a held request", *key)
+            except Exception as e:  # noqa: BLE001 (the API may be away; the next request retries)
+                self._woken.pop(key, None)
+                log.warning("scale from zero: scaling %s/%s to 1 failed: %s", *key, e)
+        self._woken[key] = now
+        task = asyncio.create_task(wake())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _forward(self, scope, receive, send, path, body, payload, tenant, backend: Backend,
                        started: float) -> int:

@@ -54,14 +54,15 @@ async def serve(settings: GatewaySettings) -> int:
     timeout = httpx.Timeout(None, connect=settings.connect_timeout)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client, \
             httpx.AsyncClient(timeout=httpx.Timeout(settings.scrape_interval)) as scraper:
-        tasks = []
+        tasks, waker = [], None
         if settings.backend:
             table.update([parse_backend_flag(b) for b in settings.backend])
         else:
             discovery = KubernetesDiscovery(settings.namespace, settings.refresh_interval)
             tasks.append(asyncio.create_task(discovery.run(table.update)))
+            waker = discovery.scaler
         tasks.append(asyncio.create_task(scrape_loop(scraper, table.all_replicas, settings.scrape_interval)))
-        gateway = Gateway(settings, table, tenants, client)
+        gateway = Gateway(settings, table, tenants, client, waker=waker)
         log.warning("gateway: %s routing on %s:%d; %s; tenants: %s", settings.routing, settings.host,
                     settings.port, f"backends {', '.join(table.models())}" if settings.backend else
                     f"LLMDeployments in {', '.join(settings.namespace) or 'all namespaces'}",

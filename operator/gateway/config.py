@@ -30,6 +30,9 @@ class GatewaySettings:
     queue_timeout: float = field(default=60.0, metadata={
         "help": "seconds a request may wait in the gateway's queue (or for a replica of a model at "
         "zero) before a 503"})
+    scale_from_zero_timeout: float = field(default=300.0, metadata={
+        "help": "seconds a request for a deployment at zero replicas is held while it scales to one "
+        "and its pod starts, before a 503"})
     retries: int = field(default=2, metadata={
         "help": "other replicas to try after a connection error or a 503 (never once a response began)"})
     connect_timeout: float = field(default=2.0, metadata={"help": "seconds to connect to a replica"})
@@ -51,6 +54,7 @@ class GatewaySettings:
             "prefix_chars": 1 <= self.prefix_chars <= 1 << 20, "kv_saturation": 0 < self.kv_saturation <= 1,
             "per_replica_concurrency": 1 <= self.per_replica_concurrency <= 1 << 20,
             "queue_timeout": 0 < self.queue_timeout <= 86400, "retries": 0 <= self.retries <= 16,
+            "scale_from_zero_timeout": 0 < self.scale_from_zero_timeout <= 86400,
             "connect_timeout": 0 < self.connect_timeout <= 600,
             "max_body_bytes": 1 <= self.max_body_bytes <= MAX_BODY_BYTES_LIMIT,
             "refresh_interval": 0.05 <= self.refresh_interval <= 3600,

@@ -46,8 +46,9 @@ def snapshots_from_objects(deployments: Iterable[dict], pods: Iterable[dict]) ->
             continue
         name, namespace = meta["name"], meta.get("namespace", "")
         model = ((d.get("spec") or {}).get("model") or {}).get("servedName") or name
+        replicas = (d.get("spec") or {}).get("replicas", 1)
         out.append(BackendSnapshot(model, namespace, name, tuple(sorted(ready.get((namespace, name), []))),
-                                   meta.get("creationTimestamp", "")))
+                                   meta.get("creationTimestamp", ""), int(replicas)))
     return out
 
 
@@ -62,6 +63,25 @@ def parse_backend_flag(text: str) -> BackendSnapshot:
             raise ValueError(f"--backend {model}: {url!r} is not an http:// or https:// URL")
         endpoints.append((f"{model}-{i}", url.rstrip("/")))
     return BackendSnapshot(model, None, None, tuple(endpoints))
+
+
+class KubernetesScaler:
+    """Wakes an LLMDeployment at zero: spec.replicas 0 -> 1 through its scale subresource,
+    as an HPA or KEDA would write it. The operator reconciles that like any scale."""
+
+    def __init__(self, api_client) -> None:
+        from kubernetes import client
+
+        self.custom = client.CustomObjectsApi(api_client)
+
+    def _patch(self, namespace: str, name: str) -> None:
+        current = self.custom.get_namespaced_custom_object_scale(GROUP, VERSION, namespace, PLURAL, name)
+        if (current.get("spec") or {}).get("replicas", 0) == 0:  # someone may have scaled it already
+            self.custom.patch_namespaced_custom_object_scale(GROUP, VERSION, namespace, PLURAL, name,
+                                                             {"spec": {"replicas": 1}})
+
+    async def wake(self, namespace: str, name: str) -> None:
+        await asyncio.to_thread(self._patch, namespace, name)
 
 
 class KubernetesDiscovery:
@@ -79,6 +99,7 @@ class KubernetesDiscovery:
         self.core = client.CoreV1Api(self.api)
         self.namespaces = namespaces
         self.interval = interval
+        self.scaler = KubernetesScaler(self.api)
 
     def _list(self) -> list[BackendSnapshot]:
         deployments, pods = [], []

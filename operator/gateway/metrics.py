@@ -32,6 +32,9 @@ class GatewayMetrics:
         self.held = Gauge("kvpilot_gateway_held_requests",
                           "Requests held for an LLMDeployment with no ready replica (scale from zero)",
                           ["llmdeployment_namespace", "llmdeployment"], registry=r)
+        self.wakes = Counter("kvpilot_gateway_scale_from_zero_total",
+                             "Times the gateway set an LLMDeployment at zero replicas to one, for a held "
+                             "request", ["llmdeployment_namespace", "llmdeployment"], registry=r)
         self.queue_wait = Histogram("kvpilot_gateway_queue_wait_seconds",
                                     "Time a request waited in the gateway's queue, by model", ["model"],
                                     buckets=LATENCY_BUCKETS, registry=r)

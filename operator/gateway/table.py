@@ -22,6 +22,7 @@ class BackendSnapshot:
     deployment: str | None
     endpoints: tuple[tuple[str, str], ...]  # (pod name, base URL) of ready pods
     created: str = ""  # the LLMDeployment's creationTimestamp: the oldest wins a name clash
+    desired_replicas: int | None = None  # spec.replicas (0: scaled to zero); None for --backend
 
 
 @dataclass
@@ -32,6 +33,11 @@ class Backend:
     picker: Picker
     queue: AdmissionQueue
     replicas: dict[str, Replica] = field(default_factory=dict)
+    desired_replicas: int | None = None
+
+    @property
+    def scaled_to_zero(self) -> bool:
+        return self.deployment is not None and self.desired_replicas == 0
 
 
 class RoutingTable:
@@ -72,6 +78,7 @@ class RoutingTable:
                 kept = current.get(name)
                 fresh[name] = kept if kept is not None and kept.url == url else Replica(name, url)
             backend.replicas = fresh
+            backend.desired_replicas = snap.desired_replicas
             backend.queue.set_capacity(len(fresh) * self.per_replica_capacity)
 
     def all_replicas(self) -> list[Replica]:

@@ -96,6 +96,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
+# scale from zero: spec.replicas 0 -> 1 for a held request, and nothing else
+- apiGroups: ["serving.kvpilot.dev"]
+  resources: ["llmdeployments/scale"]
+  verbs: ["get", "patch"]
 {{- end -}}
 
 {{/* Where the pod mounts tenant keys: /etc/kvpilot/gateway/keys/<tenant>/<key>. */}}
