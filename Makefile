@@ -8,7 +8,7 @@ export PIP_CACHE_DIR ?= $(HOME)/.cache/pip
 export KVPILOT_CACHE_DIR ?= $(HOME)/.cache/kvpilot
 include e2e/cluster.mk
 
-.PHONY: dev lint test test-fast image demo autotune-bench clean
+.PHONY: dev lint test test-fast image demo autotune-bench gateway-bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@# `python -m` puts the working directory on sys.path, where operator/ would shadow the
@@ -53,6 +53,15 @@ autotune-bench: dev node-deps
 	for s in preemption long-max-model-len scheduler-bound; do $(CONTEST) --scenario $$s || exit 1; done
 	$(PY) e2e/day_contest.py --out results
 	$(PY) e2e/autotune_bench.py
+
+# The gateway's figures: prefix-aware vs round-robin vs least-loaded on four SIMULATED L4 engines
+# (local processes), its overhead against direct-to-engine on a real tiny-model engine at
+# concurrency 64, and 20 cold starts from zero through the gateway on the local cluster.
+gateway-bench: dev node-deps
+	@mkdir -p results
+	$(VENV)/bin/kvpilot gateway-bench prefix --json results/gateway-prefix.json
+	$(VENV)/bin/kvpilot gateway-bench overhead --json results/gateway-overhead.json -- --model builtin:tiny --max-model-len 512
+	$(PY) e2e/scale_from_zero_bench.py --cold-starts 20
 
 clean:
 	rm -rf $(VENV) build *.egg-info

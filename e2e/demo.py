@@ -49,10 +49,10 @@ class Demo:
     def run(self) -> int:
         t_all = time.monotonic()
         self.cluster, self.started_cluster = ks.open_cluster(Path(self.args.cluster_dir))
-        ks.install_operator(self.cluster)
+        ks.install_operator(self.cluster, values={"gateway.enabled": "true"})
         timing = replace(FULL, deadline_s=self.args.deadline, settle_s=self.args.settle,
                          warmup_s=self.args.warmup, every_s=self.args.every)
-        self.story = Story(self.cluster, timing, Path(self.args.out))
+        self.story = Story(self.cluster, timing, Path(self.args.out), via_gateway=True)
         result = self.story.run()
         print()
         for line in result.summary:

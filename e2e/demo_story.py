@@ -117,8 +117,10 @@ def _window(results, a: float, b: float) -> dict:
 
 
 class Story:
-    def __init__(self, cluster, timing: Timing, out_dir: Path) -> None:
+    def __init__(self, cluster, timing: Timing, out_dir: Path, via_gateway: bool = False) -> None:
+        """via_gateway: the load goes through the chart's gateway (installed with it on)."""
         self.cluster, self.timing, self.out_dir = cluster, timing, Path(out_dir)
+        self.via_gateway = via_gateway
         self.kube = cluster.kube()
         self.load: ks.LoadDriver | None = None
         self.monitor: ks.Monitor | None = None
@@ -151,9 +153,14 @@ class Story:
             f"~450k tokens (more than fifty 8k-token sequences); autotune off for now")
         ks.deploy(self.cluster, self.kube, m)
         url = ks.pod_urls(self.kube, NS, SIM_NAME)[0]
+        targets = lambda: ks.pod_urls(self.kube, NS, SIM_NAME)  # noqa: E731
+        if self.via_gateway:
+            gateway = ks.wait_for(lambda: ks.gateway_url(self.kube, SIM_NAME), timeout=120, interval=1,
+                                  what=f"the gateway to route {SIM_NAME}")
+            targets = lambda: [gateway]  # noqa: E731
+            log(f"the load goes through kvpilot's gateway ({gateway}): one endpoint for every model")
         log(f"driving load: {WORKLOAD.describe()}, non-streaming")
-        self.load = ks.LoadDriver(lambda: ks.pod_urls(self.kube, NS, SIM_NAME), SIM_NAME, WORKLOAD,
-                                  loop_forever=True).start()
+        self.load = ks.LoadDriver(targets, SIM_NAME, WORKLOAD, loop_forever=True).start()
         state = {"last_time": None, "rows": 0}
         print(TABLE_HEADER, flush=True)
 

@@ -99,6 +99,26 @@ def operator_pods(kube) -> list[dict]:
         c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]
 
 
+def gateway_url(kube, model: str | None = None) -> str | None:
+    """The chart's gateway (a Ready pod's URL), once it lists `model` when one is named."""
+    pods = kube.get(f"/api/v1/namespaces/{OPERATOR_NS}/pods",
+                    params={"labelSelector": "app.kubernetes.io/component=gateway"}, ok404=True)
+    for p in (pods or {}).get("items", []):
+        if p["metadata"].get("deletionTimestamp") or not p["status"].get("podIP") or not any(
+                c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", [])):
+            continue
+        url = f"http://{p['status']['podIP']}:8000"
+        if model is None:
+            return url
+        try:
+            listed = {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=5).json()["data"]}
+        except (httpx.HTTPError, ValueError, KeyError):
+            continue
+        if model in listed:
+            return url
+    return None
+
+
 def install_operator(cluster: LocalCluster, resync_s: int = 5, values: dict | None = None) -> None:
     """The chart rendered with the built helm and applied (CRD first); waits for the
     operator pod. Re-applying over an earlier install is harmless. `values`: more chart
@@ -446,5 +466,5 @@ def _rfc3339(text: str) -> float:
 
 
 __all__ = ["ClusterError", "LoadDriver", "Monitor", "SetupError", "Workload", "run_to_exit_code",
-           "deploy", "engine_pods", "get_llmd", "install_operator", "llmd_manifest", "log", "open_cluster",
+           "deploy", "engine_pods", "get_llmd", "gateway_url", "install_operator", "llmd_manifest", "log", "open_cluster",
            "pod_urls", "preemptions_total", "set_live", "wait_for"]
