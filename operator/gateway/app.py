@@ -124,7 +124,8 @@ class Gateway:
             raise APIError(400, "`model` is required: a string naming a served model", param="model")
         backend = self.table.get(model)
         if backend is None or not tenant.may_use(model):
-            raise APIError(404, f"The model `{model}` does not exist or you do not have access to it.",
+            shown = model if len(model) <= 200 else model[:200] + "..."
+            raise APIError(404, f"The model `{shown}` does not exist or you do not have access to it.",
                            param="model", code="model_not_found")
         code = 500
         try:
@@ -132,6 +133,9 @@ class Gateway:
                                                  started)
         except APIError as err:
             code = err.status
+            raise
+        except ClientGone:
+            code = 499  # nginx's "client closed request": the client left before the answer ended
             raise
         finally:
             self.metrics.requests.labels(model, tenant.name, str(code)).inc()
