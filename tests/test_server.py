@@ -323,10 +323,12 @@ def test_prefix_caching_through_the_server(server):
 
 # --- cancellation storm -------------------------------------------------------------------
 
-async def _storm(url: str, n_stream: int, n_plain: int) -> None:
-    body = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 400,
-            "ignore_eos": True}
-    async with httpx.AsyncClient(base_url=url, headers=_auth(), timeout=60) as http:
+async def _storm(server, n_stream: int, n_plain: int) -> None:
+    # Each request asks for nearly the whole context, so none can finish before its client
+    # leaves, however fast the host: the clients leave on an order of events, not a timeout.
+    body = {"model": MODEL, "prompt": "Tell me a long story",
+            "max_tokens": MAX_MODEL_LEN - 64, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=server.url, headers=_auth(), timeout=60) as http:
         async def stream_then_cancel():
             async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
                 assert r.status_code == 200
@@ -334,19 +336,27 @@ async def _storm(url: str, n_stream: int, n_plain: int) -> None:
                     if line.startswith("data:"):
                         return  # leave mid-stream: the connection closes
 
-        async def plain_then_cancel():
-            with pytest.raises(httpx.ReadTimeout):
-                await http.post("/v1/completions", json=body, timeout=1.0)
+        plain = [asyncio.create_task(http.post("/v1/completions", json=body))
+                 for _ in range(n_plain)]
+        await asyncio.gather(*[stream_then_cancel() for _ in range(n_stream)])
 
-        await asyncio.gather(*[stream_then_cancel() for _ in range(n_stream)],
-                             *[plain_then_cancel() for _ in range(n_plain)])
+        def only_plain_left():
+            m = server.metrics()
+            return m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] == n_plain
+        # The streams' aborts have gone through and every non-streaming request is in the engine.
+        await asyncio.to_thread(wait_for, only_plain_left, 30,
+                                what=f"only the {n_plain} non-streaming requests in the engine")
+        assert not any(t.done() for t in plain), "a non-streaming request finished before its cancel"
+        for t in plain:
+            t.cancel()  # the client leaves: httpx closes the connection
+        await asyncio.gather(*plain, return_exceptions=True)
 
 
 def test_cancellation_storm_frees_everything(server, client):
     idle_kv = server.metrics()["vllm:kv_cache_usage_perc"]
     aborted = f"vllm:request_success_total{{engine=0,finished_reason=abort,model_name={MODEL}}}"
     aborts = server.metrics()[aborted]
-    asyncio.run(_storm(server.url, n_stream=16, n_plain=4))
+    asyncio.run(_storm(server, n_stream=16, n_plain=4))
 
     def idle():
         m = server.metrics()
