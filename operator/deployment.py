@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 
+from kvpilot.engine.quantity import parse_bytes
+
 from .model_download import MODEL_CACHE_VOLUME, cache_volume, init_container, pinned_source, remote_source
 from .objects import (HTTP_PORT, TUNING_DIR, TUNING_FILE, Owner, metadata, selector_labels,
                       tuning_configmap_name)
@@ -44,6 +46,25 @@ def pvc_claim(spec: LLMDeploymentSpec) -> str | None:
     return src[len("pvc://"):].partition("/")[0] if src and src.startswith("pvc://") else None
 
 
+# A CPU engine's KV cache lives in the pod's memory beside the weights and the Python
+# process, so the engine's own CPU default (1Gi) would get a 1Gi pod OOM-killed.
+CPU_ENGINE_OVERHEAD = 768 * 2**20  # bytes left for the process, weights and activations
+CPU_KV_CACHE_MIN, CPU_KV_CACHE_MAX = 64 * 2**20, 2**30
+
+
+def cpu_kv_cache_memory(spec: LLMDeploymentSpec) -> int | None:
+    """The KV cache a real CPU engine gets when the spec names none: the pod's memory limit
+    less CPU_ENGINE_OVERHEAD, within [64Mi, 1Gi]. None for GPU and simulated engines (they
+    size the cache from the device)."""
+    if spec.resources.gpus or spec.engine.simulate is not None:
+        return None
+    try:
+        limit = parse_bytes("resources.memory", str(spec.resources.memory))
+    except ValueError:  # a quantity the engine's parser does not read ("1e9"): its own default
+        return None
+    return min(max(limit - CPU_ENGINE_OVERHEAD, CPU_KV_CACHE_MIN), CPU_KV_CACHE_MAX)
+
+
 def engine_args(owner: Owner, spec: LLMDeploymentSpec, model_arg: str | None) -> list[str]:
     """`kvpilot serve` flags; model_arg is None for a simulated spec without model.source."""
     e = spec.engine
@@ -61,6 +82,8 @@ def engine_args(owner: Owner, spec: LLMDeploymentSpec, model_arg: str | None) ->
         args += ["--kv-cache-memory", str(e.kv_cache_memory)]
     elif e.gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
+    elif (cpu_kv := cpu_kv_cache_memory(spec)) is not None:
+        args += ["--kv-cache-memory", str(cpu_kv)]
     args += parallel_args(spec)  # resources.gpus' GPUs for one engine (or the spec's split of them)
     if e.simulate is not None:
         args += simulate_args(e.simulate)

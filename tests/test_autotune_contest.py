@@ -179,6 +179,19 @@ def test_plan_sizes_replicas_to_the_demand_within_the_objective():
     assert "replica" in p.reason and "TPOT" in p.reason
 
 
+def test_plan_with_min_replicas_zero_never_plans_zero():
+    """Zero is the idle rule's (scale_to_zero.py); the plan's search starts at one (it
+    divided the prompt rate by zero replicas before)."""
+    model = StepModel(a=0.006, b=0.0001, c=1e-5, windows=10)
+    s = Snapshot(time=0, window_s=60, generation_tokens_per_s=10, request_rate_per_s=0.05,
+                 prompt_tokens_per_s=40, num_waiting=0, num_waiting_now=0, tpot_mean_s=0.01,
+                 tpot_p95_s=0.01)
+    cur = Settings(max_num_seqs=16, max_model_len=512, replicas=1)
+    p = plan(s, cur, Bounds(Range(1, 64), Range(512, 512), Range(0, 1)), model,
+             Thresholds(tpot_objective_s=0.05))
+    assert p.replicas == 1
+
+
 def test_a_flex_only_window_plans_the_widest_batch_and_no_headroom():
     model = StepModel(a=0.006, b=0.0002, c=1e-5, windows=10)
     kv = dict(kv_cache_bytes=200 * 2000 * 131072 / 0.9, kv_bytes_per_token=131072,

@@ -96,6 +96,21 @@ def test_deployment_runs_kvpilot_serve_with_the_tuning_file():
     assert vol["configMap"]["name"] == "tiny-tuning"
 
 
+def test_a_cpu_engine_without_a_kv_size_gets_one_that_fits_its_pod():
+    def kv(**over):
+        args = container(build_deployment(OWNER, spec(**over), 1))["args"]
+        return args[args.index("--kv-cache-memory") + 1] if "--kv-cache-memory" in args else None
+    mib = 2**20
+    assert kv() == str(1024 * mib)  # 2Gi pod: the engine's own 1Gi cap
+    assert kv(resources={"memory": "1Gi"}) == str(256 * mib)  # 1Gi less 768Mi for the process
+    assert kv(resources={"memory": "512Mi"}) == str(64 * mib)  # never below 64Mi
+    assert kv(resources={"memory": "1Gi"}, engine={"kvCacheMemory": "8Mi"}) == "8Mi"  # the spec's own wins
+    assert kv(resources={"memory": "1e9"}) is None  # a quantity the engine does not parse: its default
+    gpu = {"gpus": 1, "memory": "1Gi"}
+    assert kv(resources=gpu) is None  # a GPU engine sizes its cache from the device
+    assert kv(engine={"gpuMemoryUtilization": 0.5}, resources=gpu) is None
+
+
 def test_security_context_is_restricted():
     d = build_deployment(OWNER, spec(), 1)
     p, c = pod(d), container(d)

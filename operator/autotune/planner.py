@@ -205,7 +205,9 @@ def plan(s: Snapshot, cur: Settings, bounds: Bounds, model: StepModel, t: Thresh
     demand = (arrivals + drain) * out_per_request
     prompt = (arrivals + drain) * prompt_per_request
     kv_cap = kv_width(s, ps)
-    lo, hi = (cur.replicas, cur.replicas) if cur.hpa_owns_scale else (bounds.replicas.min, bounds.replicas.max)
+    # Never zero: going to zero is the idle rule's (scale_to_zero.py), and width(0) divides by it.
+    lo, hi = (cur.replicas, cur.replicas) if cur.hpa_owns_scale else (max(1, bounds.replicas.min),
+                                                                       max(1, bounds.replicas.max))
 
     def width(r: int) -> float:
         if throughput_only:  # the widest batch makes the most tokens/s; no TPOT to keep
