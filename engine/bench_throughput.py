@@ -156,11 +156,15 @@ def _run(args: argparse.Namespace) -> int:
     if config.simulate is not None:
         raise ValueError("bench throughput measures the real engine; a simulated accelerator's "
                          "throughput comes from `kvpilot sim run`")
-    vocab = ModelConfig.from_dir(resolve_model(config.model)).vocab_size
+    model_cfg = ModelConfig.from_dir(resolve_model(config.model))
+    if args.ceiling:
+        from .bench_ceiling import check_ceiling_config
+
+        check_ceiling_config(config, model_cfg)
     if "vllm" in args.backend and not args.vllm_python:
         raise ValueError("--backend vllm needs --vllm-python PATH (a Python with vLLM installed; "
                          "../shared/tools/install-vllm-cpu.sh makes one)")
-    workload = make_workload(args, vocab, config.seed)
+    workload = make_workload(args, model_cfg.vocab_size, config.seed)
     runs = []
     for backend in args.backend:
         if backend == "kvpilot":
@@ -178,9 +182,24 @@ def _run(args: argparse.Namespace) -> int:
             print_result(result)
     if len(results) > 1 and not args.json:
         print_comparison(results)
+    ceiling = None
+    if args.ceiling:  # timed after the runs, which it must not slow down
+        from .bench_ceiling import ceiling_for, print_ceiling
+
+        ceiling = ceiling_for(config, model_cfg, workload)
+        if not args.json:
+            print_ceiling(ceiling, results)
     if args.json:
-        print(json.dumps([r.as_dict() for r in results], indent=2))
+        print(json.dumps([r.as_dict() | ceiling_fields(r, ceiling) for r in results], indent=2))
     return 0
+
+
+def ceiling_fields(r: ThroughputResult, ceiling) -> dict:
+    """--json's keys for --ceiling (none without): the ceiling, and this run's share of it."""
+    if ceiling is None:
+        return {}
+    return {"ceiling": ceiling.as_dict(),
+            "fraction_of_ceiling": r.output_tokens_per_s / ceiling.output_tokens_per_s}
 
 
 def print_comparison(results: list[ThroughputResult]) -> None:
@@ -208,5 +227,9 @@ def add_parser(sub) -> None:
                    help="the interpreter of a virtualenv with vLLM, for --backend vllm")
     p.add_argument("--vllm-mode", default="both", choices=("eager", "compiled", "both"),
                    help="vLLM with enforce_eager=True, its default compiled mode, or both")
+    p.add_argument("--ceiling", action="store_true",
+                   help="after the runs, time this host's float32 matmuls and print the workload's "
+                        "arithmetic ceiling (output tok/s no float32 engine passes here) and each "
+                        "run's share of it; the real engine on the CPU only (engine/bench_ceiling.py)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_run)
