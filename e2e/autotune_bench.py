@@ -92,8 +92,9 @@ class Bench:
     def run_load(self, name: str, workload: ks.Workload, label: str, before=None) -> dict:
         """Sends `workload` to the deployment's pods and summarizes it; `before(driver)`
         runs just before the load starts."""
-        urls_fn = lambda: ks.pod_urls(self.kube, self.ns, name)  # noqa: E731
+        urls_fn = lambda: ks.pod_urls(self.kube, self.ns, name)  # noqa: E731  (preemptions: per pod)
         urls = urls_fn()
+        targets = ks.load_targets(self.kube, self.ns, name, direct=self.args.direct)
         p0 = ks.preemptions_total(urls)
         last = [0.0]
 
@@ -103,7 +104,7 @@ class Bench:
                 last[0] = now
                 log(f"  {label}: {done}/{total} requests done")
         log(f"  {label}: sending {workload.describe()}")
-        d = ks.LoadDriver(urls_fn, name, workload, progress=progress)
+        d = ks.LoadDriver(targets, name, workload, progress=progress)
         if before is not None:
             before(d)
         d.start()
@@ -133,7 +134,7 @@ class Bench:
         t_all = time.monotonic()
         self.cluster, self.started_cluster = ks.open_cluster(Path(self.args.cluster_dir))
         self.kube = self.cluster.kube()
-        ks.install_operator(self.cluster)
+        ks.install_operator(self.cluster, values=None if self.args.direct else {"gateway.enabled": "true"})
         log(f"workload: {WORKLOAD.describe()}; KV cache {KV_CACHE} per pod; objective {SLO.describe()}")
         self.static_deployment()
 
@@ -255,6 +256,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "results"))
     ap.add_argument("--cluster-dir", default=os.environ.get("CLUSTER_DIR", str(ROOT / ".cluster")))
+    ap.add_argument("--direct", action="store_true",
+                    help="send the load straight to the engine pods instead of through kvpilot's gateway")
     ap.add_argument("--replot", action="store_true",
                     help="only rewrite the PNG and the table from OUT/autotune-bench.json")
     args = ap.parse_args()

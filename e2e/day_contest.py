@@ -131,7 +131,7 @@ def prompt_vocab(scen) -> tuple[int, int]:
 
 
 def run_realtime(cluster, scen, trace, kind: str, vocab: tuple[int, int], scale: float = 1.0,
-                 load_seconds: float | None = None) -> dict:
+                 load_seconds: float | None = None, via_gateway: bool = False) -> dict:
     """One contender on the running cluster (the operator installed; KEDA started for
     "keda"): deploy, replay the trace, score it as the simulator would, clean up. `scale`
     compresses the control loops as contest.run_contender's control_scale does."""
@@ -156,7 +156,8 @@ def run_realtime(cluster, scen, trace, kind: str, vocab: tuple[int, int], scale:
         log(f"[{kind}] ScaledObject applied; KEDA made HPA keda-hpa-{name}")
     ledger = GpuLedger(cluster.kube(), ns, f"{ks.INSTANCE_LABEL}={name}")
     mon = ks.Monitor(cluster, kube, ns, name, every_s=5, window_s=60)
-    replay = TraceReplayer(lambda: ks.pod_urls(kube, ns, name), name, trace, vocab,
+    targets = ks.load_targets(kube, ns, name, direct=not via_gateway)  # the gateway: installed with it on
+    replay = TraceReplayer(targets, name, trace, vocab,
                            progress=lambda msg: log(f"[{kind}] {msg}"), drain_s=DRAIN_S)
     mon.start()
     t0 = time.monotonic() + 1.0
@@ -229,7 +230,9 @@ class RealTimeContest:
             vocab = prompt_vocab(self.scen)
             self.cluster, self.started_cluster = ks.open_cluster(Path(self.args.cluster_dir))
             self.kube = self.cluster.kube()
-            ks.install_operator(self.cluster, resync_s=1)  # decisions on the 5 s interval, not a 5 s tick after it
+            # resync 1 s: decisions on the 5 s interval, not a 5 s tick after it
+            ks.install_operator(self.cluster, resync_s=1,
+                                values=None if self.args.direct else {"gateway.enabled": "true"})
             if "keda" in kinds:
                 from localcluster.keda import start_keda
                 self.keda = start_keda(self.cluster)
@@ -238,7 +241,8 @@ class RealTimeContest:
                         f"{15 * self.args.time_scale:g} s (15 s compressed): KEDA's replicas move on that clock")
             for k in kinds:
                 results.setdefault("realtime", {})[k] = run_realtime(self.cluster, self.scen, self.trace, k, vocab,
-                                                                   self.args.time_scale)
+                                                                   self.args.time_scale,
+                                                                   via_gateway=not self.args.direct)
                 self.save(results)
         report(results, self.scen, self.out)
         return 0
@@ -328,6 +332,8 @@ def main() -> int:
                          "(default 1/3: 15 minutes; the HPA controller's sync stays the cluster's 5 s)")
     ap.add_argument("--out", default=str(ROOT / "results"))
     ap.add_argument("--cluster-dir", default=os.environ.get("CLUSTER_DIR", str(ROOT / ".cluster")))
+    ap.add_argument("--direct", action="store_true",
+                    help="send the trace straight to the engine pods instead of through kvpilot's gateway")
     ap.add_argument("--report-only", action="store_true", help="only print and plot OUT/day-realtime.json")
     args = ap.parse_args()
     import logging

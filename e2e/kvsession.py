@@ -119,6 +119,16 @@ def gateway_url(kube, model: str | None = None) -> str | None:
     return None
 
 
+def load_targets(kube, ns: str, name: str, direct: bool = False):
+    """Where a benchmark sends its load for `name`: the chart's gateway (one endpoint for every
+    model, as clients use kvpilot), or with `direct` each Ready pod of the deployment."""
+    if direct:
+        return lambda: pod_urls(kube, ns, name)
+    url = wait_for(lambda: gateway_url(kube, name), timeout=120, interval=1, what=f"the gateway to route {name}")
+    log(f"the load for {name} goes through kvpilot's gateway ({url})")
+    return lambda: [url]
+
+
 def install_operator(cluster: LocalCluster, resync_s: int = 5, values: dict | None = None) -> None:
     """The chart rendered with the built helm and applied (CRD first); waits for the
     operator pod. Re-applying over an earlier install is harmless. `values`: more chart
@@ -466,5 +476,5 @@ def _rfc3339(text: str) -> float:
 
 
 __all__ = ["ClusterError", "LoadDriver", "Monitor", "SetupError", "Workload", "run_to_exit_code",
-           "deploy", "engine_pods", "get_llmd", "gateway_url", "install_operator", "llmd_manifest", "log", "open_cluster",
+           "deploy", "engine_pods", "get_llmd", "gateway_url", "install_operator", "load_targets", "llmd_manifest", "log", "open_cluster",
            "pod_urls", "preemptions_total", "set_live", "wait_for"]

@@ -146,3 +146,58 @@ def test_a_replica_vanishing_mid_stream_fails_that_stream_only(cluster, gateway,
                                                                   "max_tokens": 2})
         assert r.status_code == 200, r.text
 
+
+def test_scale_to_zero_by_the_autotuner_and_back_by_the_gateway(cluster, gateway, namespace, wait_for):
+    """A real tiny-model deployment with minReplicas 0: idle for scaleToZeroAfter, the autotuner
+    scales it to zero; requests sent to the gateway meanwhile are held, the gateway sets
+    replicas to 1 through the scale subresource, and every request is answered."""
+    if not cluster.prometheus_url:
+        pytest.skip("the local cluster runs without Prometheus")
+    kube, url = gateway
+    name = "sleepy"
+    cluster.apply({
+        "apiVersion": "serving.kvpilot.dev/v1alpha1", "kind": "LLMDeployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"model": {"source": "builtin:tiny", "servedName": name},
+                 "engine": {"maxModelLen": 512, "maxNumSeqs": 16},
+                 "resources": {"gpus": 0, "cpu": "1", "memory": "1Gi"}, "replicas": 1,
+                 "autoscaling": {"minReplicas": 0, "maxReplicas": 1, "scaleToZeroAfter": "30s"},
+                 "autotune": {"mode": "Auto", "interval": "5s", "window": "15s", "cooldown": "10s",
+                              "prometheus": {"url": cluster.prometheus_url}}}})
+    llmd_path = f"/apis/serving.kvpilot.dev/v1alpha1/namespaces/{namespace}/llmdeployments/{name}"
+    try:
+        wait_for(lambda: ready_pods(kube, namespace, name), timeout=300, interval=1, what="the tiny pod")
+    except TimeoutError:
+        raise AssertionError(diagnose(cluster, namespace)) from None
+    for cold_start in range(2):
+        def at_zero():
+            obj = kube.get(llmd_path)
+            return obj["spec"]["replicas"] == 0 and not ready_pods(kube, namespace, name) and obj
+        try:
+            obj = wait_for(at_zero, timeout=240, interval=1, what="the autotuner to scale the idle deployment to 0")
+        except TimeoutError:
+            raise AssertionError(diagnose(cluster, namespace)) from None
+        reason = obj["status"]["autotune"]["lastDecision"]["reason"]
+        assert "scale 1 -> 0" in reason, reason
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=url, timeout=400) as client:
+                async def one(i):
+                    start = asyncio.get_running_loop().time()
+                    body = {"model": name, "prompt": f"wake up {i}", "max_tokens": 8, "stream": True}
+                    async with client.stream("POST", "/v1/completions", json=body) as r:
+                        first = None
+                        async for chunk in r.aiter_text():
+                            if first is None and '"text"' in chunk:
+                                first = asyncio.get_running_loop().time() - start
+                        return r.status_code, first
+                return await asyncio.gather(*(one(i) for i in range(5)))
+        answers = asyncio.run(burst())
+        assert all(code == 200 for code, _ in answers), answers
+        first_tokens = sorted(t for _, t in answers)
+        print(f"\ncold start {cold_start + 1}: first token after {first_tokens[0]:.1f} s "
+              f"(all 5 held requests answered; slowest first token {first_tokens[-1]:.1f} s)")
+        assert kube.get(llmd_path)["spec"]["replicas"] == 1
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert (f'kvpilot_gateway_scale_from_zero_total{{llmdeployment="{name}",'
+            f'llmdeployment_namespace="{namespace}"}} 2.0') in metrics
