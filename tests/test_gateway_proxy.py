@@ -12,6 +12,7 @@ import pytest
 
 from kvpilot.operator.gateway.app import Gateway
 from kvpilot.operator.gateway.config import GatewaySettings
+from kvpilot.operator.gateway.forward import upstream_session
 from kvpilot.operator.gateway.picker import Picker
 from kvpilot.operator.gateway.table import BackendSnapshot, RoutingTable
 from kvpilot.operator.gateway.tenants import Tenants
@@ -34,12 +35,14 @@ async def gateway(backends: dict[str, list], tenants: Tenants | None = None, **s
     async with contextlib.AsyncExitStack() as stack:
         for e in engines:
             await stack.enter_async_context(serving(e, e.port))
-        upstream = await stack.enter_async_context(httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2)))
+        upstream = await stack.enter_async_context(upstream_session(connect_timeout=2))
         app = Gateway(settings, table, tenants or Tenants.unrestricted(), upstream)
         await stack.enter_async_context(serving(app, port))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
                                                                    timeout=30))
         yield client, app, table
+        await asyncio.sleep(0.05)  # a response the gateway is finishing (its client just left)
+        assert not upstream.connector._acquired, "a replica's response was never released"
 
 
 def run(coro):

@@ -149,6 +149,18 @@ def test_round_robin_and_least_loaded_policies():
         Picker("random")
 
 
+def test_least_loaded_ties_take_turns():
+    """Idle replicas share the requests: each pick puts the next of the equally loaded
+    ones first, the busier ones stay behind them."""
+    pods = replicas(4, **{"pod-1": (3, 0, 0.1)})
+    ll = Picker("least-loaded")
+    orders = [[r.name for r in ll.pick(pods, b"k").order] for _ in range(6)]
+    assert [o[0] for o in orders] == ["pod-0", "pod-2", "pod-3"] * 2
+    assert all(o[-1] == "pod-1" and sorted(o) == [r.name for r in pods] for o in orders)
+    keyless = Picker("prefix")  # a request with no prompt to key on goes least-loaded too
+    assert [keyless.pick([pods[0], pods[2]], None).order[0].name for _ in range(4)] == ["pod-0", "pod-2"] * 2
+
+
 def test_table_keeps_replicas_across_refreshes_and_sets_capacity():
     table = RoutingTable(Picker, per_replica_capacity=4)
     table.update([BackendSnapshot("m", "ns", "d", (("p0", "http://a"), ("p1", "http://b")))])

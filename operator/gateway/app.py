@@ -8,18 +8,19 @@ import json
 import logging
 import time
 
-import httpx
+import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpilot.engine.server.errors import APIError, send_error
 
 from .admission import AdmissionQueue
 from .config import GatewaySettings
-from .forward import (REQUEST_HEADERS, RESPONSE_HEADERS, USAGE_SCAN_BYTES, Attempt, SSEUsage,
-                      UpstreamFailed, Usage, inject_usage_request, open_upstream)
+from .forward import (REQUEST_HEADERS, Attempt, SSEUsage, UpstreamFailed, Usage, inject_usage_request,
+                      open_upstream)
 from .metrics import GatewayMetrics
 from .prefix import prefix_key
 from .ratelimit import TenantLimits
+from .relay import ClientGone, relay
 from .table import Backend, RoutingTable
 from .tenants import Tenant, Tenants
 
@@ -28,18 +29,14 @@ ROUTES = {"/v1/completions", "/v1/chat/completions"}
 WAKE_RETRY_S = 10.0  # at most one scale-from-zero write per deployment this often
 
 
-class ClientGone(Exception):
-    pass
-
-
 class Gateway:
     def __init__(self, settings: GatewaySettings, table: RoutingTable, tenants: Tenants,
-                 client: httpx.AsyncClient, metrics: GatewayMetrics | None = None, clock=time.monotonic,
+                 session: aiohttp.ClientSession, metrics: GatewayMetrics | None = None, clock=time.monotonic,
                  waker=None) -> None:
         self.settings = settings
         self.table = table
         self.tenants = tenants
-        self.client = client
+        self.session = session  # the proxy's client to the replicas (forward.upstream_session)
         self.metrics = metrics or GatewayMetrics()
         self.clock = clock
         self.waker = waker  # KubernetesScaler (wake(namespace, name)); None: nothing scales from zero
@@ -219,7 +216,7 @@ class Gateway:
         headers = {k: v for k in REQUEST_HEADERS if (v := _header(scope, k.encode())) is not None}
         attempt = Attempt()
         try:
-            upstream = await open_upstream(self.client, route.order, path, body, headers,
+            upstream = await open_upstream(self.session, route.order, path, body, headers,
                                            self.settings.retries + 1, attempt)
         except UpstreamFailed as e:
             raise APIError(e.status, f"model `{backend.model}`: {e}",
@@ -230,11 +227,10 @@ class Gateway:
         replica = attempt.replica
         usage = Usage()
         try:
-            code = await self._relay(upstream, receive, send, stream, SSEUsage(usage, strip_usage), usage,
-                                     replica.name)
+            code = await relay(upstream, receive, send, stream, SSEUsage(usage, strip_usage), usage, replica.name)
         finally:
             replica.in_flight -= 1
-            await upstream.aclose()
+            upstream.release()  # to the pool once read to the end; closed if not (the engine aborts)
         self._account(tenant, backend.model, usage)
         log.info("%s tenant=%s model=%s replica=%s status=%d retries=%d prompt_tokens=%d "
                  "completion_tokens=%d seconds=%.3f%s", path, tenant.name, backend.model, replica.name, code,
@@ -242,60 +238,6 @@ class Gateway:
                  f" prompt={json.dumps(payload.get('prompt', payload.get('messages')))[:2000]}"
                  if self.settings.log_prompts else "")
         return code
-
-    async def _relay(self, upstream: httpx.Response, receive, send, stream: bool, sse: SSEUsage,
-                     usage: Usage, replica: str) -> int:
-        """The response, chunk by chunk as the replica sends it. A replica lost mid-stream
-        ends that stream with an error event; the client leaving closes the upstream (the
-        engine then aborts the request)."""
-        headers = [(k.encode(), upstream.headers[k].encode()) for k in RESPONSE_HEADERS if k in upstream.headers]
-        headers.append((b"x-kvpilot-replica", replica.encode()))
-        await send({"type": "http.response.start", "status": upstream.status_code, "headers": headers})
-        scanned = bytearray()
-        pump = asyncio.create_task(self._pump(upstream, send, stream, sse, scanned))
-        gone = asyncio.create_task(_disconnected(receive))
-        try:
-            await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not pump.done():  # the client left (or this task was cancelled): stop reading
-                pump.cancel()
-                await asyncio.gather(pump, return_exceptions=True)
-        if not pump.done() or pump.cancelled():
-            raise ClientGone()
-        failure = pump.result()
-        if failure is not None:
-            log.warning("replica %s failed mid-response: %s: %s", replica, type(failure).__name__, failure)
-            tail = sse.flush() if stream else b""
-            if stream:
-                err = APIError(502, f"the replica serving this stream failed: {type(failure).__name__}",
-                               type="server_error", code="upstream_failed")
-                tail += b"data: " + json.dumps(err.body()).encode() + b"\n\n"
-            await send({"type": "http.response.body", "body": tail, "more_body": False})
-            return 502
-        await send({"type": "http.response.body", "body": sse.flush() if stream else b"", "more_body": False})
-        if not stream and upstream.status_code == 200 and len(scanned) < USAGE_SCAN_BYTES:
-            try:
-                usage.read(json.loads(bytes(scanned)))
-            except ValueError:
-                pass
-        return upstream.status_code
-
-    @staticmethod
-    async def _pump(upstream: httpx.Response, send, stream: bool, sse: SSEUsage,
-                    scanned: bytearray) -> httpx.HTTPError | None:
-        """Copy the body to the client; the replica's failure is returned, not raised."""
-        try:
-            async for chunk in upstream.aiter_raw():
-                if stream:
-                    chunk = sse.feed(chunk)
-                elif len(scanned) < USAGE_SCAN_BYTES:
-                    scanned += chunk
-                if chunk:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.HTTPError as e:
-            return e
-        return None
 
     def _account(self, tenant: Tenant, model: str, usage: Usage) -> None:
         total = usage.prompt_tokens + usage.completion_tokens
@@ -341,11 +283,6 @@ def _header(scope, name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1")
     return None
-
-
-async def _disconnected(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _send_bytes(send, status: int, body: bytes, content_type: str) -> None:

@@ -41,18 +41,18 @@ async def serve(settings: GatewaySettings) -> int:
 
     from .app import Gateway
     from .discovery import KubernetesDiscovery, parse_backend_flag
+    from .forward import upstream_session
     from .picker import Picker
     from .scrape import scrape_loop
     from .table import RoutingTable
     from .tenants import Tenants
 
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per proxied request
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per scrape
     tenants = Tenants.load(settings.tenants_file) if settings.tenants_file else Tenants.unrestricted()
     table = RoutingTable(lambda: Picker(settings.routing, settings.load_factor,
                                         kv_saturation=settings.kv_saturation), settings.per_replica_concurrency)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
-    timeout = httpx.Timeout(None, connect=settings.connect_timeout)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client, \
+    # Proxied requests on aiohttp (the hot path); the once-a-second scrapes stay on httpx.
+    async with upstream_session(settings.connect_timeout) as upstream, \
             httpx.AsyncClient(timeout=httpx.Timeout(settings.scrape_interval)) as scraper:
         tasks, waker = [], None
         if settings.backend:
@@ -62,7 +62,7 @@ async def serve(settings: GatewaySettings) -> int:
             tasks.append(asyncio.create_task(discovery.run(table.update)))
             waker = discovery.scaler
         tasks.append(asyncio.create_task(scrape_loop(scraper, table.all_replicas, settings.scrape_interval)))
-        gateway = Gateway(settings, table, tenants, client, waker=waker)
+        gateway = Gateway(settings, table, tenants, upstream, waker=waker)
         log.warning("gateway: %s routing on %s:%d; %s; tenants: %s", settings.routing, settings.host,
                     settings.port, f"backends {', '.join(table.models())}" if settings.backend else
                     f"LLMDeployments in {', '.join(settings.namespace) or 'all namespaces'}",

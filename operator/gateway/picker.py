@@ -56,11 +56,10 @@ class Picker:
             return None
         by_name = {r.name: r for r in replicas}
         if self.policy == "round-robin":
-            start = next(self._turn) % len(replicas)
             ordered = sorted(replicas, key=lambda r: r.name)
-            return Route(tuple(ordered[start:] + ordered[:start]), ROUND_ROBIN)
+            return Route(tuple(_rotated(ordered, next(self._turn))), ROUND_ROBIN)
         if self.policy == "least-loaded" or key is None:
-            return Route(tuple(sorted(replicas, key=self._load_rank)), LEAST_LOADED)
+            return Route(self._least_loaded(replicas), LEAST_LOADED)
         ring = self._ring_for(tuple(sorted(by_name)))
         loads = {r.name: r.queue_depth() for r in replicas}
         names, _ = bounded_order(ring, key, loads, self.load_factor)
@@ -70,6 +69,21 @@ class Picker:
         own = ring.walk(key)[0]
         return Route(tuple(by_name[n] for n in names), PREFIX_HIT if names[0] == own else PREFIX_SPILL)
 
+    def _least_loaded(self, replicas: list[Replica]) -> tuple[Replica, ...]:
+        """Least loaded first. Equally loaded replicas take turns at the front of their
+        group (by name, rotated once per pick), so idle replicas share the requests
+        instead of the first by name taking every one that finds it idle."""
+        turn = next(self._turn)
+        ranked = sorted(replicas, key=lambda r: (self._load_rank(r), r.name))
+        order: list[Replica] = []
+        for _, tied in itertools.groupby(ranked, key=self._load_rank):
+            order += _rotated(list(tied), turn)
+        return tuple(order)
+
     def _load_rank(self, replica: Replica) -> tuple:
-        return (replica.saturated(self.kv_saturation), replica.queue_depth(), replica.load.kv_usage,
-                replica.name)
+        return replica.saturated(self.kv_saturation), replica.queue_depth(), replica.load.kv_usage
+
+
+def _rotated(items: list, turn: int) -> list:
+    start = turn % len(items)
+    return items[start:] + items[:start]
