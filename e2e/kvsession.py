@@ -119,6 +119,12 @@ def gateway_url(kube, model: str | None = None) -> str | None:
     return None
 
 
+def gateway_sees_no_replica(url: str, model: str) -> bool:
+    """The gateway at `url` has no ready replica of `model` to route to (its listing lags
+    the API by up to its refresh interval, and until then a draining pod still answers)."""
+    return f'kvpilot_gateway_ready_replicas{{model="{model}"}} 0.0' in httpx.get(f"{url}/metrics", timeout=10).text
+
+
 def load_targets(kube, ns: str, name: str, direct: bool = False):
     """Where a benchmark sends its load for `name`: the chart's gateway (one endpoint for every
     model, as clients use kvpilot), or with `direct` each Ready pod of the deployment."""
@@ -476,5 +482,5 @@ def _rfc3339(text: str) -> float:
 
 
 __all__ = ["ClusterError", "LoadDriver", "Monitor", "SetupError", "Workload", "run_to_exit_code",
-           "deploy", "engine_pods", "get_llmd", "gateway_url", "install_operator", "load_targets", "llmd_manifest", "log", "open_cluster",
+           "deploy", "engine_pods", "get_llmd", "gateway_sees_no_replica", "gateway_url", "install_operator", "load_targets", "llmd_manifest", "log", "open_cluster",
            "pod_urls", "preemptions_total", "set_live", "wait_for"]

@@ -77,6 +77,8 @@ class Bench:
         for i in range(a.cold_starts):
             kube.merge_patch(LLMD + "/scale", {"spec": {"replicas": 0}})
             ks.wait_for(lambda: pods_left(kube) == 0, timeout=180, interval=0.5, what="no pod left")
+            ks.wait_for(lambda: ks.gateway_sees_no_replica(url, NAME), timeout=30, interval=0.5,
+                        what="the gateway to see no ready replica")
             answers = asyncio.run(burst(url, a.burst))
             sent += len(answers)
             bad = [x for x in answers if x[0] != 200 or x[2]]

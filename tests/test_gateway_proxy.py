@@ -311,3 +311,49 @@ def test_a_deployment_at_zero_is_woken_once_and_its_held_requests_are_served():
             metrics = (await client.get("/metrics")).text
             assert 'kvpilot_gateway_scale_from_zero_total{llmdeployment="m",llmdeployment_namespace="ns"} 1.0' in metrics
     run(main())
+
+
+def test_a_deployment_put_back_to_zero_while_requests_are_held_is_woken_again():
+    """The autotuner may read the last pod's metrics a few seconds after it went to zero and
+    take a freshly woken deployment back to zero: each table refresh wakes it again (at most
+    once per WAKE_RETRY_S) while requests are held, so none is left to time out."""
+    from kvpilot.operator.gateway.app import WAKE_RETRY_S
+
+    async def main():
+        engine = FakeEngine("woken")
+        async with gateway({"m": []}, queue_timeout=0.2, scale_from_zero_timeout=20) as (client, app, table):
+            at_zero = [BackendSnapshot("m", "ns", "m", (), desired_replicas=0)]
+            table.update(at_zero)
+            now, woken = [1000.0], []
+            app.clock = lambda: now[0]
+
+            class Waker:
+                async def wake(self, namespace, name):
+                    woken.append((namespace, name))
+
+            app.waker = Waker()
+            app.refreshed()
+            assert woken == []  # nothing held: nothing to wake
+            async with serving(engine, engine.port):
+                request = asyncio.create_task(client.post("/v1/completions", json=completion()))
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 10
+                while len(woken) < 1:
+                    assert loop.time() < deadline and not request.done()
+                    await asyncio.sleep(0.02)
+                table.update(at_zero)  # put back to zero before the woken pod was ready
+                app.refreshed()
+                await asyncio.sleep(0.05)
+                assert len(woken) == 1  # not again within WAKE_RETRY_S
+                now[0] += WAKE_RETRY_S
+                app.refreshed()
+                while len(woken) < 2:
+                    assert loop.time() < deadline and not request.done()
+                    await asyncio.sleep(0.02)
+                table.update([BackendSnapshot("m", "ns", "m", (("woken", engine.url),), desired_replicas=1)])
+                app.refreshed()
+                r = await request
+            assert r.status_code == 200 and woken == [("ns", "m")] * 2
+            metrics = (await client.get("/metrics")).text
+            assert 'kvpilot_gateway_scale_from_zero_total{llmdeployment="m",llmdeployment_namespace="ns"} 2.0' in metrics
+    run(main())

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.operator.autotune.decision import Action, Bounds, Range, Settings
+from kvpilot.operator.autotune.decision import Action, Bounds, Decision, Diagnosis, Range, Settings
+from kvpilot.operator.autotune.history import History, HistoryEntry
 from kvpilot.operator.autotune.hook import autotune_step
 from kvpilot.operator.autotune.prometheus import Target, build_idle_queries
-from kvpilot.operator.autotune.scale_to_zero import IdleReport, quiet, scale_to_zero
+from kvpilot.operator.autotune.scale_to_zero import IdleReport, last_to_zero, quiet, scale_to_zero
 from test_autotune_hook import T0, FakeKube, FakeReader, ctx, snap, spec_body
 
 BOUNDS = Bounds(max_num_seqs=Range(4, 64), max_model_len=Range(128, 2048), replicas=Range(0, 3))
@@ -33,6 +34,18 @@ def test_rule_scales_to_zero_only_after_a_whole_idle_period():
     assert scale_to_zero(IDLE, hpa, BOUNDS, 900.0, T0) is None
     three = Settings(**{**CUR.__dict__, "replicas": 3})
     assert scale_to_zero(IDLE, three, BOUNDS, 900.0, T0).change == {"replicas": (3, 0)}
+
+
+def test_rule_waits_a_whole_period_after_its_last_scale_to_zero():
+    """Within scaleToZeroAfter of going to zero the deployment was woken since, and the old
+    pod's series may still be in Prometheus: no second decision on them."""
+    assert scale_to_zero(IDLE, CUR, BOUNDS, 900.0, T0, last_zero=T0 - 5) is None
+    assert scale_to_zero(IDLE, CUR, BOUNDS, 900.0, T0, last_zero=T0 - 900).change == {"replicas": (1, 0)}
+    zero = Decision(T0 - 5, Diagnosis.IDLE, Action.CHANGE, "idle", change={"replicas": (1, 0)})
+    out = Decision(T0 - 60, Diagnosis.SCHEDULER_BOUND, Action.CHANGE, "scale out", change={"replicas": (1, 2)})
+    assert last_to_zero(History(entries=(HistoryEntry(out, True), HistoryEntry(zero, True)))) == T0 - 5
+    assert last_to_zero(History(entries=(HistoryEntry(zero, False),))) is None  # advised, not applied
+    assert last_to_zero(History()) is None
 
 
 def test_quiet_means_no_request_in_the_window():
@@ -94,3 +107,21 @@ def test_hook_leaves_zero_alone_unless_every_condition_holds(case):
         assert "scale 1 -> 0" in out.status().last_decision.reason and not out.status().last_decision.applied
     if case in ("busy", "min-one"):
         assert reader.idle_calls == []  # the longer period is only asked about quiet deployments
+
+
+def test_hook_does_not_take_a_woken_deployment_back_to_zero_on_the_old_pods_metrics():
+    """Seen on the local cluster: scaled to zero, woken by the gateway a second later, then
+    scaled to zero again 5 s later on the old pod's series (youngest 40s), leaving the held
+    requests to time out. History carries the first decision through status."""
+    kube = FakeKube()
+    first = autotune_step(ctx(zero_spec(), kube=kube), reader_factory=IdleReader([snap(**QUIET)], IDLE), now=T0)
+    assert kube.scaled == [("demo", "tiny", 0)]
+    status = {"autotune": first.status().dump()}
+    woken = ctx(zero_spec(), status=status, kube=kube)  # spec.replicas 1 again (the gateway's write)
+    again = autotune_step(woken, reader_factory=IdleReader([snap(**QUIET)], IDLE), now=T0 + 10)
+    assert kube.scaled == [("demo", "tiny", 0)]  # no second scale to zero
+    assert "scale 1 -> 0" not in again.status().last_decision.reason
+    later = autotune_step(ctx(zero_spec(), status={"autotune": again.status().dump()}, kube=kube),
+                          reader_factory=IdleReader([snap(**QUIET)], IDLE), now=T0 + 600)
+    assert kube.scaled == [("demo", "tiny", 0)] * 2  # a whole period later, idle again: zero
+    assert "scale 1 -> 0" in later.status().last_decision.reason

@@ -54,7 +54,7 @@ from .metrics_condition import METRICS_CONDITION, metrics_condition
 from .prometheus import PrometheusReader
 from .query_client import connect
 from .report import AdviceStatus, advice_status, build_report, history_from_status
-from .scale_to_zero import quiet, scale_to_zero
+from .scale_to_zero import last_to_zero, quiet, scale_to_zero
 from .signals import Snapshot
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ def capacity_plan(snap: Snapshot | None, current: Settings) -> CapacityPlan | No
                          weight_bytes=int(snap.weight_bytes) if snap.weight_bytes else None)
 
 
-def _to_zero(reader, spec: LLMDeploymentSpec, owner, current: Settings, snap: Snapshot,
+def _to_zero(reader, spec: LLMDeploymentSpec, owner, current: Settings, snap: Snapshot, history: History,
              now: float) -> Decision | None:
     """The scale-to-zero decision when minReplicas is 0 and this window was quiet (only then
     is the longer idle period read); None otherwise, or when that read fails."""
@@ -163,7 +163,7 @@ def _to_zero(reader, spec: LLMDeploymentSpec, owner, current: Settings, snap: Sn
     except Exception as e:  # no verdict on idleness: the usual rules decide
         log.warning("autotune %s/%s: reading the idle period failed: %s", owner.namespace, owner.name, e)
         return None
-    return scale_to_zero(idle, current, bounds_for(spec), after_s, now)
+    return scale_to_zero(idle, current, bounds_for(spec), after_s, now, last_to_zero(history))
 
 
 def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None = None,
@@ -197,7 +197,7 @@ def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None 
     plan = capacity_plan(snap, current)
     if snap is not None:
         history = history.observe(observation(snap, current.replicas))
-        decision = (_to_zero(reader, spec, owner, current, snap, now)
+        decision = (_to_zero(reader, spec, owner, current, snap, history, now)
                     or decide(snap, current, bounds_for(spec), history, now, capacity=plan, thresholds=thresholds))
 
     auto = at.mode == "Auto"

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .decision import Action, Bounds, Decision, Diagnosis, Settings
+from .history import History
 from .signals import Snapshot
 
 
@@ -31,11 +32,23 @@ def _span(seconds: float) -> str:
     return f"{seconds / 60:.0f}m" if seconds >= 120 else f"{seconds:.0f}s"
 
 
+def last_to_zero(history: History) -> float | None:
+    """When this autotuner last took the deployment to zero (an applied change), if ever."""
+    times = [e.decision.time for e in history.entries
+             if e.applied and (e.decision.change or {}).get("replicas", (None, None))[1] == 0]
+    return max(times, default=None)
+
+
 def scale_to_zero(idle: IdleReport | None, current: Settings, bounds: Bounds, after_s: float,
-                  now: float) -> Decision | None:
+                  now: float, last_zero: float | None = None) -> Decision | None:
     """The change to zero replicas, or None when the rule does not apply or the period was
-    not idle."""
+    not idle. `last_zero`: when it last went to zero (last_to_zero); within `after_s` of
+    that the deployment was woken since, and Prometheus may still hold the old pod's
+    series for a few scrapes (its age, not the woken pod's, which reports nothing until
+    its process starts), so the rule waits: the woken pod must serve its first request."""
     if bounds.replicas.min != 0 or current.replicas < 1 or current.hpa_owns_scale or idle is None:
+        return None
+    if last_zero is not None and now - last_zero < after_s:
         return None
     if idle.requests is None or idle.requests > 0 or (idle.in_flight or 0) > 0:
         return None

@@ -180,6 +180,16 @@ class Gateway:
                       f"every replica of `{backend.model}` is busy")
             raise APIError(503, f"{reason}; waited {timeout:g} s in the gateway's queue")
 
+    def refreshed(self) -> None:
+        """After each table refresh: a deployment put back to zero while requests wait for
+        it (the autotuner's idle rule reading the last pod's metrics before the woken pod
+        reports) is woken again, at most once per WAKE_RETRY_S, so no held request is
+        left to time out."""
+        for model in self.table.models():
+            backend = self.table.get(model)
+            if backend.scaled_to_zero and not backend.replicas and backend.queue.waiting:
+                self._wake(backend)
+
     def _wake(self, backend: Backend) -> None:
         """Scale a deployment at zero to one replica (in the background; the request waits
         in the queue meanwhile). A failed write is retried by the next held request."""

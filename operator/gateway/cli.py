@@ -54,15 +54,19 @@ async def serve(settings: GatewaySettings) -> int:
     # Proxied requests on aiohttp (the hot path); the once-a-second scrapes stay on httpx.
     async with upstream_session(settings.connect_timeout) as upstream, \
             httpx.AsyncClient(timeout=httpx.Timeout(settings.scrape_interval)) as scraper:
-        tasks, waker = [], None
+        tasks = []
         if settings.backend:
             table.update([parse_backend_flag(b) for b in settings.backend])
+            gateway = Gateway(settings, table, tenants, upstream)
         else:
             discovery = KubernetesDiscovery(settings.namespace, settings.refresh_interval)
-            tasks.append(asyncio.create_task(discovery.run(table.update)))
-            waker = discovery.scaler
+            gateway = Gateway(settings, table, tenants, upstream, waker=discovery.scaler)
+
+            def refresh(snapshots) -> None:
+                table.update(snapshots)
+                gateway.refreshed()
+            tasks.append(asyncio.create_task(discovery.run(refresh)))
         tasks.append(asyncio.create_task(scrape_loop(scraper, table.all_replicas, settings.scrape_interval)))
-        gateway = Gateway(settings, table, tenants, upstream, waker=waker)
         log.warning("gateway: %s routing on %s:%d; %s; tenants: %s", settings.routing, settings.host,
                     settings.port, f"backends {', '.join(table.models())}" if settings.backend else
                     f"LLMDeployments in {', '.join(settings.namespace) or 'all namespaces'}",
