@@ -66,19 +66,26 @@ def test_stream_equals_non_stream_and_metrics_count_drafts(server):
 def test_the_tuning_file_toggles_speculation_under_load_without_failures(server):
     failures: list[str] = []
     lengths: list[int] = []
+    greedy_served: list[int] = []
     done = threading.Event()
 
-    def worker():
+    # Half the clients sample (rejection sampling under the toggle), half are greedy: greedy
+    # builtin:tiny loops on PROMPT, so n-gram drafts are sure to be proposed while k > 0; a
+    # random model sampled at temperature 0.7 rarely repeats a token of its context and may
+    # draft nothing for a whole window (CI saw "(4, 0.0)" with sampling clients only).
+    def worker(temperature: float):
         with _http(server) as http:
             while not done.is_set():
                 r = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 32,
-                                                       "temperature": 0.7, "ignore_eos": True})
+                                                       "temperature": temperature, "ignore_eos": True})
                 if r.status_code != 200:
                     failures.append(r.text)
                 else:
                     lengths.append(r.json()["usage"]["completion_tokens"])
+                    if temperature == 0:
+                        greedy_served.append(1)
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(6)]
+    threads = [threading.Thread(target=worker, args=(t,), daemon=True) for t in (0.0, 0.7) * 3]
     for t in threads:
         t.start()
     try:
@@ -87,8 +94,9 @@ def test_the_tuning_file_toggles_speculation_under_load_without_failures(server)
             wait_for(lambda: server.metrics()["kvpilot:num_speculative_tokens"] == k, 60,
                      what=f"num_speculative_tokens {k} in effect")
             before = server.metrics()["vllm:spec_decode_num_drafts_total"]
-            served = len(lengths)
-            wait_for(lambda: len(lengths) >= served + 6, 120, what="six more requests served")
+            served, greedy = len(lengths), len(greedy_served)
+            wait_for(lambda: len(lengths) >= served + 6 and len(greedy_served) >= greedy + 3, 120,
+                     what="six more requests served, three of them greedy")
             drafts = server.metrics()["vllm:spec_decode_num_drafts_total"] - before
             # Off: no new drafts once the steps already drafted have run (at most one per running request).
             assert drafts <= 6 if k == 0 else drafts > 0, (k, drafts)
