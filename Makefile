@@ -24,7 +24,7 @@ lint: dev
 	$(VENV)/bin/ruff check .
 
 test: dev lint node-deps
-	$(VENV)/bin/pytest -q tests e2e
+	$(VENV)/bin/pytest -q --durations=40 tests e2e
 
 test-fast: dev
 	$(VENV)/bin/pytest -q tests

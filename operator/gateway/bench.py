@@ -6,7 +6,9 @@ local processes (no cluster needed).
   (fresh engines each time, the same requests in the same order): prefix-cache hit rate
   (the engines' own vllm:prefix_cache_* counters) and TTFT p50/p95 per policy.
 - `overhead`: one engine, the same streamed requests at a fixed concurrency straight to
-  the engine and then through the gateway: added latency per request and throughput.
+  the engine and then through the gateway (throughput and latency per path), then one run
+  of pairs started together, one direct and one through the gateway (bench_paired.py): the
+  added latency per request, free of run-to-run noise.
 
 Engines are `kvpilot serve` with the arguments given after `--` (default: a SIMULATED L4
 serving Llama-3.1-8B, so every figure from the default is a simulated figure)."""
@@ -16,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import signal
 import subprocess
@@ -29,6 +32,7 @@ import httpx
 from kvpilot.engine.bench_serve import stream_completion
 from kvpilot.engine.bench_serve_stats import summarize
 from kvpilot.engine.serve_process import ServeProcess, free_port
+from kvpilot.operator.gateway.bench_paired import added_latency, drive_paired
 
 DEFAULT_ENGINE_ARGS = ["--simulate", "l4", "--simulate-model", "llama-3.1-8b", "--max-model-len", "4096"]
 MODEL = "bench"
@@ -47,18 +51,21 @@ def metric_sum(text: str, name: str) -> float:
 class GatewayProcess:
     """`kvpilot gateway --backend MODEL=URLS` on a free port, until the block ends."""
 
-    def __init__(self, backends: list[str], routing: str, log_path: Path, extra: list[str] = ()) -> None:
+    def __init__(self, backends: list[str], routing: str, log_path: Path, extra: list[str] = (),
+                 cpus: set[int] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "kvpilot.engine.cli", "gateway", "--host", "127.0.0.1",
                     "--port", str(self.port), "--routing", routing, *extra,
                     *(a for b in backends for a in ("--backend", b))]
         self.log_path = log_path
+        self.cpus = cpus  # sched_setaffinity in the child; None: this process's CPUs
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "GatewayProcess":
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
+            pin = (lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin)
         deadline = time.monotonic() + 60
         while True:
             if self.proc.poll() is not None:
@@ -83,8 +90,8 @@ class GatewayProcess:
 
 
 @contextlib.contextmanager
-def engines(n: int, engine_args: list[str], workdir: Path):
-    procs = [ServeProcess([*engine_args, "--served-model-name", MODEL], workdir / f"engine-{i}.log")
+def engines(n: int, engine_args: list[str], workdir: Path, cpus: set[int] | None = None):
+    procs = [ServeProcess([*engine_args, "--served-model-name", MODEL], workdir / f"engine-{i}.log", cpus=cpus)
              for i in range(n)]
     try:
         for p in procs:  # launched together, then waited for: start-ups overlap
@@ -175,16 +182,46 @@ def run_prefix(args) -> list[dict]:
     return rows
 
 
+def split_cpus(spec: str, available: set[int]) -> tuple[set[int], set[int]] | None:
+    """(the gateway's CPUs, the engine's and the client's) from --gateway-cpus: "auto" gives
+    the gateway the lower half of `available` (None with fewer than two: nothing to split),
+    "none" splits nothing, else a comma list of CPU numbers, some but not all of
+    `available`."""
+    if spec == "none":
+        return None
+    cpus = sorted(available)
+    if spec == "auto":
+        if len(cpus) < 2:
+            return None
+        gateway = set(cpus[:len(cpus) // 2])
+    else:
+        try:
+            gateway = {int(c) for c in spec.split(",")}
+        except ValueError:
+            raise ValueError(f"--gateway-cpus: expected auto, none or CPU numbers like 0,1, got {spec!r}") from None
+        if not gateway <= available or gateway == available:
+            raise ValueError(f"--gateway-cpus: {spec!r} must name some, not all, of this process's CPUs "
+                             f"{','.join(map(str, cpus))}")
+    return gateway, available - gateway
+
+
 def run_overhead(args) -> list[dict]:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(16, 4096) for _ in range(args.input_tokens)] for _ in range(args.requests)]
     rows = []
+    gateway_cpus = None
+    if args.split is not None:
+        gateway_cpus, rest = args.split
+        os.sched_setaffinity(0, rest)  # this process (the client) and the engine it starts
+        args.engine_args = [*args.engine_args, "--cpu-threads", str(len(rest))]
     with tempfile.TemporaryDirectory() as tmp:
         with engines(1, args.engine_args, Path(tmp)) as procs:
             url = procs[0].url
-            asyncio.run(drive(url, prompts[:args.concurrency], args.output_tokens, None, args.concurrency, 0))
-            with GatewayProcess([f"{MODEL}={url}"], "prefix", Path(tmp) / "gateway.log") as gw:
-                for path, target in (("direct", url), ("gateway", gw.url), ("direct", url), ("gateway", gw.url)):
+            # Warm-up: one whole unmeasured round (a shorter one left the first measured round
+            # ~15 % slower than the rest).
+            asyncio.run(drive(url, prompts, args.output_tokens, None, args.concurrency, 0))
+            with GatewayProcess([f"{MODEL}={url}"], "prefix", Path(tmp) / "gateway.log", cpus=gateway_cpus) as gw:
+                for path, target in (("direct", url), ("gateway", gw.url)) * args.rounds:
                     print(f"[{path}] {len(prompts)} requests at concurrency {args.concurrency}", file=sys.stderr)
                     results, duration = asyncio.run(drive(target, prompts, args.output_tokens, None,
                                                           args.concurrency, 0))
@@ -193,6 +230,11 @@ def run_overhead(args) -> list[dict]:
                                  "ttft_p50_ms": s["median_ttft_ms"], "ttft_p99_ms": s["p99_ttft_ms"],
                                  "output_tok_s": s["output_throughput"], "req_s": s["request_throughput"],
                                  "failed": s.get("failed", 0)})
+                print(f"[paired] {len(prompts)} pairs (direct + gateway at once) at concurrency "
+                      f"{args.concurrency}", file=sys.stderr)
+                pairs, _ = asyncio.run(drive_paired(url, gw.url, MODEL, prompts, args.output_tokens,
+                                                    args.concurrency))
+                rows.append({"path": "paired", **added_latency(pairs)})
     return rows
 
 
@@ -218,6 +260,13 @@ def add_parser(subparsers) -> None:
     ovh.add_argument("--input-tokens", type=int, default=64)
     ovh.add_argument("--output-tokens", type=int, default=32)
     ovh.add_argument("--seed", type=int, default=0)
+    ovh.add_argument("--rounds", type=int, default=3,
+                     help="direct-then-gateway rounds for throughput (the host's drift between rounds "
+                          "is read from the spread)")
+    ovh.add_argument("--gateway-cpus", default="auto",
+                     help="CPUs for the gateway alone, as its own pod would have them; the engine and the "
+                          "client share the rest, alike for both paths (auto: the lower half; none: all "
+                          "share all; or e.g. 0)")
     ovh.add_argument("--json", type=Path)
     ovh.set_defaults(func=_cmd_overhead)
     for q in (pre, ovh):
@@ -261,13 +310,34 @@ def _cmd_prefix(args) -> int:
 def _cmd_overhead(args) -> int:
     _quiet_clients()
     _engine_args(args)
+    try:
+        if args.rounds < 1:
+            raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+        args.split = split_cpus(args.gateway_cpus, os.sched_getaffinity(0))
+    except ValueError as err:
+        print(f"kvpilot gateway-bench overhead: {err}", file=sys.stderr)
+        return 2
     rows = run_overhead(args)
+    where = ("gateway on CPU " + ",".join(map(str, sorted(args.split[0]))) + ", engine and client on CPU "
+             + ",".join(map(str, sorted(args.split[1]))) if args.split else "engine, gateway and client sharing the CPUs")
     print(f"{_label(args)}gateway overhead, one engine ({' '.join(args.engine_args)}), {args.requests} streamed "
-          f"requests at concurrency {args.concurrency}, {args.input_tokens} in / {args.output_tokens} out")
+          f"requests at concurrency {args.concurrency}, {args.input_tokens} in / {args.output_tokens} out; {where}")
     print(f"{'path':<9}{'e2e p50':>10}{'e2e p99':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'out tok/s':>11}{'failed':>8}")
-    for r in rows:
+    for r in rows[:-1]:
         print(f"{r['path']:<9}{r['e2el_p50_ms']:>8.1f}ms{r['e2el_p99_ms']:>8.1f}ms{r['ttft_p50_ms']:>8.1f}ms"
               f"{r['ttft_p99_ms']:>8.1f}ms{r['output_tok_s']:>11.1f}{r['failed']:>8}")
+    tok_s = {path: [r["output_tok_s"] for r in rows[:-1] if r["path"] == path] for path in ("direct", "gateway")}
+    direct, via = (sum(v) / len(v) for v in (tok_s["direct"], tok_s["gateway"]))
+    print(f"throughput through the gateway {100 * (via / direct - 1):+.1f} % of direct (mean of {args.rounds} "
+          f"rounds each; direct rounds {min(tok_s['direct']):.1f}-{max(tok_s['direct']):.1f} tok/s)")
+    p = rows[-1]
+    print(f"added by the gateway, {p['pairs']} pairs started together (one direct, one through the gateway; "
+          f"failed {p['failed_direct']} direct, {p['failed_gateway']} gateway):")
+    for what in ("ttft", "e2e"):
+        d = p[what]
+        print(f"  {what.upper():<5} median {d['median_ms']:+.1f} ms, p1 {d['p1_ms']:+.1f} ms, p99 {d['p99_ms']:+.1f} ms, "
+              f"mean {d['mean_ms']:+.1f} ms "
+              f"(95% interval {d['mean_ms'] - d['ci95_ms']:+.1f} .. {d['mean_ms'] + d['ci95_ms']:+.1f} ms)")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

@@ -32,7 +32,13 @@ def add_parser(subparsers) -> None:
 def _cmd_gateway(args: argparse.Namespace) -> int:
     settings = dataclass_from_args(GatewaySettings, args, prefix="", backend=args.backend,
                                    namespace=args.namespace)
-    return asyncio.run(serve(settings))
+    # uvloop where installed (uvicorn[standard] brings it): the proxy's per-chunk path is
+    # mostly event-loop work (socket reads and writes, futures), which uvloop does in C.
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(serve(settings))
+    return uvloop.run(serve(settings))
 
 
 async def serve(settings: GatewaySettings) -> int:
@@ -67,8 +73,9 @@ async def serve(settings: GatewaySettings) -> int:
                 gateway.refreshed()
             tasks.append(asyncio.create_task(discovery.run(refresh)))
         tasks.append(asyncio.create_task(scrape_loop(scraper, table.all_replicas, settings.scrape_interval)))
-        log.warning("gateway: %s routing on %s:%d; %s; tenants: %s", settings.routing, settings.host,
-                    settings.port, f"backends {', '.join(table.models())}" if settings.backend else
+        log.warning("gateway: %s routing on %s:%d (event loop: %s); %s; tenants: %s", settings.routing,
+                    settings.host, settings.port, type(asyncio.get_running_loop()).__module__.split(".")[0],
+                    f"backends {', '.join(table.models())}" if settings.backend else
                     f"LLMDeployments in {', '.join(settings.namespace) or 'all namespaces'}",
                     ", ".join(t.name for t in tenants.tenants) or "none (open)")
         config = uvicorn.Config(gateway, host=settings.host, port=settings.port, log_level="warning",
