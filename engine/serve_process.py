@@ -37,15 +37,12 @@ class ServeProcess:
     """`kvpilot serve ARGS` on 127.0.0.1 and a free port, logging to `log_path`, with `env`
     added to this process's environment. Use as a context manager: entering launches it and
     waits until /health answers 200, leaving sends SIGTERM (the server drains) and kills it
-    if it outlives STOP_DEADLINE_S. `cpus`: the CPUs it may run on (sched_setaffinity in
-    the child before it starts; None: this process's own)."""
+    if it outlives STOP_DEADLINE_S."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 cpus: set[int] | None = None) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.args = args
         self.log_path = Path(log_path)
         self.env = env
-        self.cpus = cpus
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -62,8 +59,7 @@ class ServeProcess:
                "--port", str(self.port), "--disable-uvicorn-access-log", *self.args]
         env = {**os.environ, **self.env} if self.env else None
         with open(self.log_path, "wb") as log:  # the child keeps its own descriptor
-            pin = (lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, deadline_s: float = READY_DEADLINE_S) -> None:
         """Polls /health until it answers 200; raises if the process exits or the deadline passes."""

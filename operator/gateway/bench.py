@@ -90,8 +90,8 @@ class GatewayProcess:
 
 
 @contextlib.contextmanager
-def engines(n: int, engine_args: list[str], workdir: Path, cpus: set[int] | None = None):
-    procs = [ServeProcess([*engine_args, "--served-model-name", MODEL], workdir / f"engine-{i}.log", cpus=cpus)
+def engines(n: int, engine_args: list[str], workdir: Path):
+    procs = [ServeProcess([*engine_args, "--served-model-name", MODEL], workdir / f"engine-{i}.log")
              for i in range(n)]
     try:
         for p in procs:  # launched together, then waited for: start-ups overlap
@@ -213,7 +213,8 @@ def run_overhead(args) -> list[dict]:
     if args.split is not None:
         gateway_cpus, rest = args.split
         os.sched_setaffinity(0, rest)  # this process (the client) and the engine it starts
-        args.engine_args = [*args.engine_args, "--cpu-threads", str(len(rest))]
+        if "--cpu-threads" not in args.engine_args:  # torch would size its pool by the host
+            args.engine_args = [*args.engine_args, "--cpu-threads", str(len(rest))]
     with tempfile.TemporaryDirectory() as tmp:
         with engines(1, args.engine_args, Path(tmp)) as procs:
             url = procs[0].url
