@@ -34,10 +34,13 @@ def _stub_engine() -> web.Application:
         return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
                                  "vllm:kv_cache_usage_perc 0\n")
 
+    async def health(_request):
+        return web.Response(text="ok")
+
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/health", lambda _r: web.Response(text="ok"))
+    app.router.add_get("/health", health)
     return app
 
 
