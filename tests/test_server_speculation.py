@@ -72,7 +72,9 @@ def test_the_tuning_file_toggles_speculation_under_load_without_failures(server)
     # Half the clients sample (rejection sampling under the toggle), half are greedy: greedy
     # builtin:tiny loops on PROMPT, so n-gram drafts are sure to be proposed while k > 0; a
     # random model sampled at temperature 0.7 rarely repeats a token of its context and may
-    # draft nothing for a whole window (CI saw "(4, 0.0)" with sampling clients only).
+    # draft nothing for a whole window (CI saw "(4, 0.0)" with sampling clients only). Six
+    # greedy answers per window from three greedy clients: one of them answered twice, so
+    # at least one greedy request ran whole under the new setting.
     def worker(temperature: float):
         with _http(server) as http:
             while not done.is_set():
@@ -95,8 +97,8 @@ def test_the_tuning_file_toggles_speculation_under_load_without_failures(server)
                      what=f"num_speculative_tokens {k} in effect")
             before = server.metrics()["vllm:spec_decode_num_drafts_total"]
             served, greedy = len(lengths), len(greedy_served)
-            wait_for(lambda: len(lengths) >= served + 6 and len(greedy_served) >= greedy + 3, 120,
-                     what="six more requests served, three of them greedy")
+            wait_for(lambda: len(lengths) >= served + 6 and len(greedy_served) >= greedy + 6, 120,
+                     what="six more greedy requests served")
             drafts = server.metrics()["vllm:spec_decode_num_drafts_total"] - before
             # Off: no new drafts once the steps already drafted have run (at most one per running request).
             assert drafts <= 6 if k == 0 else drafts > 0, (k, drafts)
