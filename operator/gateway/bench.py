@@ -32,7 +32,7 @@ import httpx
 from kvpilot.engine.bench_serve import stream_completion
 from kvpilot.engine.bench_serve_stats import summarize
 from kvpilot.engine.serve_process import ServeProcess, free_port
-from kvpilot.operator.gateway.bench_paired import added_latency, drive_paired
+from kvpilot.operator.gateway.bench_paired import added_latency, drive_paired, streamed_completion
 
 DEFAULT_ENGINE_ARGS = ["--simulate", "l4", "--simulate-model", "llama-3.1-8b", "--max-model-len", "4096"]
 MODEL = "bench"
@@ -127,9 +127,8 @@ async def drive(url: str, prompts: list[list[int]], output_tokens: int, rate: fl
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(600)) as client:
         async def one(prompt):
             async with gate:
-                body = {"model": MODEL, "prompt": prompt, "max_tokens": output_tokens, "temperature": 0.0,
-                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-                return await stream_completion(client, "/v1/completions", body)
+                return await stream_completion(client, "/v1/completions",
+                                               streamed_completion(MODEL, prompt, output_tokens))
         start = time.perf_counter()
         tasks = []
         for i, prompt in enumerate(prompts):
@@ -233,8 +232,8 @@ def run_overhead(args) -> list[dict]:
                                  "failed": s.get("failed", 0)})
                 print(f"[paired] {len(prompts)} pairs (direct + gateway at once) at concurrency "
                       f"{args.concurrency}", file=sys.stderr)
-                pairs, _ = asyncio.run(drive_paired(url, gw.url, MODEL, prompts, args.output_tokens,
-                                                    args.concurrency))
+                pairs = asyncio.run(drive_paired(url, gw.url, MODEL, prompts, args.output_tokens,
+                                                 args.concurrency))
                 rows.append({"path": "paired", **added_latency(pairs)})
     return rows
 

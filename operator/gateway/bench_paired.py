@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import math
 import statistics
-import time
 
 import httpx
 
@@ -20,26 +19,28 @@ from kvpilot.engine.bench_serve import stream_completion
 from kvpilot.engine.bench_serve_stats import RequestResult
 
 
+def streamed_completion(model: str, prompt: list[int], output_tokens: int) -> dict:
+    """The body every gateway benchmark request sends: greedy, exactly `output_tokens` out,
+    streamed with usage."""
+    return {"model": model, "prompt": prompt, "max_tokens": output_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+
 async def drive_paired(direct_url: str, gateway_url: str, model: str, prompts: list[list[int]],
-                       output_tokens: int, concurrency: int) -> tuple[list[tuple[RequestResult, RequestResult]], float]:
+                       output_tokens: int, concurrency: int) -> list[tuple[RequestResult, RequestResult]]:
     """Streams each prompt twice at once, direct and through the gateway; `concurrency`
     counts requests, so `concurrency // 2` pairs are open at a time."""
     pairs_open = asyncio.Semaphore(max(1, concurrency // 2))
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600)) as client:
-        async def one(base: str, prompt: list[int]) -> RequestResult:
-            body = {"model": model, "prompt": prompt, "max_tokens": output_tokens, "temperature": 0.0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            return await stream_completion(client, base + "/v1/completions", body)
-
         async def pair(prompt: list[int]) -> tuple[RequestResult, RequestResult]:
+            body = streamed_completion(model, prompt, output_tokens)
             async with pairs_open:
-                direct, via = await asyncio.gather(one(direct_url, prompt), one(gateway_url, prompt))
+                direct, via = await asyncio.gather(stream_completion(client, direct_url + "/v1/completions", body),
+                                                   stream_completion(client, gateway_url + "/v1/completions", body))
                 return direct, via
 
-        start = time.perf_counter()
-        pairs = await asyncio.gather(*(pair(p) for p in prompts))
-        return pairs, time.perf_counter() - start
+        return await asyncio.gather(*(pair(p) for p in prompts))
 
 
 def _spread(diffs: list[float]) -> dict[str, float]:
