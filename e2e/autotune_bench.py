@@ -42,7 +42,7 @@ NAME = "tiny"
 # 32k tokens of the tiny model (4 KiB per token): room for every request in flight, so the
 # cache never binds and the setting that matters is how wide each decode step is.
 KV_CACHE = "128Mi"
-DEFAULTS = {"maxNumSeqs": 64, "maxModelLen": 2048}  # operator/spec.py EngineSpec defaults
+DEFAULTS = {"maxNumSeqs": 64, "maxModelLen": 2048}  # operator/api/spec.py EngineSpec defaults
 SWEEP_SEQS = (8, 16, 24, 32)
 SWEEP_LEN = (768, 2048)  # >= 624, the workload's longest request (512 + 112)
 SLO = Slo(ttft_ms=5000, tpot_ms=50)

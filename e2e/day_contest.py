@@ -14,7 +14,7 @@ Contenders:
             the HPA controller and the LLMDeployment's scale subresource
   auto      kvpilot autotune Auto (controller Model) from the same start, 1-8 replicas
 
-Each is scored exactly as in virtual time (engine/sim/scoring.py: goodput per GPU-hour,
+Each is scored exactly as in virtual time (engine/fleet/scoring.py: goodput per GPU-hour,
 per phase, a pod holds its GPU from creation until it is gone), and the same compressed
 day, with the same compressed control loops, is also run in virtual time
 (contest.run_contender's control_scale), so the table shows both and the difference.
@@ -41,10 +41,10 @@ import kvsession as ks  # noqa: E402
 from kvsession import log  # noqa: E402
 from trace_replay import GpuLedger, TraceReplayer  # noqa: E402
 
-from kvpilot.engine.sim.scenarios import scenario  # noqa: E402
-from kvpilot.operator.autotune.contest import auto_settings  # noqa: E402
-from kvpilot.operator.autotune.contest_cli import SIM_LABEL  # noqa: E402
-from kvpilot.engine.sim.scoring import RecordedRun, met_slo, score  # noqa: E402
+from kvpilot.engine.fleet.scenarios import scenario  # noqa: E402
+from kvpilot.operator.autotune.virtual.contest import auto_settings  # noqa: E402
+from kvpilot.operator.autotune.virtual.contest_cli import SIM_LABEL  # noqa: E402
+from kvpilot.engine.fleet.scoring import RecordedRun, met_slo, score  # noqa: E402
 
 ROOT = ks.ROOT
 TIME_SCALE = 1 / 3  # 45 minutes of day in 15
@@ -57,7 +57,7 @@ CONTENDERS = ("defaults", "keda", "auto")
 def load_seconds_for(scale: float) -> float:
     """Simulated model loading that makes a new pod ready as late as the virtual fleet's
     (contest.REPLICA_STARTUP_S, compressed)."""
-    from kvpilot.operator.autotune.contest import REPLICA_STARTUP_S
+    from kvpilot.operator.autotune.virtual.contest import REPLICA_STARTUP_S
     return max(0.0, round(REPLICA_STARTUP_S * scale - POD_START_S, 1))
 
 
@@ -125,7 +125,7 @@ def prompt_vocab(scen) -> tuple[int, int]:
     """Ordinary token ids of the simulated model's tokenizer: what its server accepts. (The
     virtual fleet skips the server and draws from the whole embedding table; the ids do
     not change a step's time, and shared prefixes are shared in both.)"""
-    from kvpilot.engine.sim.fleet import Fleet
+    from kvpilot.engine.fleet.fleet import Fleet
     runner = Fleet(scen.engine_config(), replicas=1).replicas[0].engine.runner
     return runner.tokens.low, runner.tokenizer.vocab_size
 
@@ -213,7 +213,7 @@ class RealTimeContest:
 
     # --- virtual time, the same compressed day --------------------------------------
     def virtual(self, kinds: list[str]) -> dict:
-        from kvpilot.operator.autotune.contest import Contender, run_many
+        from kvpilot.operator.autotune.virtual.contest import Contender, run_many
         d = (self.scen.max_num_seqs, self.scen.max_model_len)
         cs = [Contender("static" if k == "defaults" else k, *d, 1, label=k) for k in kinds]
         log(f"virtual time first: the same {self.scen.duration / 60:.0f}-minute day, {len(cs)} contenders")
@@ -269,7 +269,7 @@ class RealTimeContest:
 
 
 def report(results: dict, scen, out: Path) -> None:
-    from kvpilot.operator.autotune.contest_cli import plot_timeline, print_phases, print_table
+    from kvpilot.operator.autotune.virtual.contest_cli import plot_timeline, print_phases, print_table
     real, virt = results.get("realtime", {}), results.get("virtual", {})
     kinds = [k for k in CONTENDERS if k in real]
     if not kinds:

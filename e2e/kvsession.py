@@ -22,7 +22,7 @@ from typing import Callable
 
 import httpx
 import yaml
-from kvpilot.engine.bench_serve import stream_completion
+from kvpilot.engine.bench.serve import stream_completion
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -20,7 +20,7 @@ import uuid
 import httpx
 import pytest
 
-from kvpilot.engine.bench_serve import BenchConfig, benchmark
+from kvpilot.engine.bench.serve import BenchConfig, benchmark
 from test_operator import diagnose, engine_pods, is_ready, llmd, operator_leader
 
 pytestmark = pytest.mark.e2e

@@ -2,7 +2,7 @@
 kvpilot's own dashboard, evaluated against the real Prometheus while kvpilot pods serve a
 mixed load, with the template variables substituted as Grafana would. Each panel built on
 series kvpilot exports must show data; the rest are counted with the feature they need
-(engine/vllm_series.py). The counts per dashboard are printed for the README."""
+(engine/metrics/vllm_series.py). The counts per dashboard are printed for the README."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -14,8 +14,8 @@ import httpx
 import pytest
 import yaml
 
-from kvpilot.engine.vllm_series import not_exported_reason
-from kvpilot.operator.dashboard import build_dashboard
+from kvpilot.engine.metrics.vllm_series import not_exported_reason
+from kvpilot.operator.manifests.dashboard import build_dashboard
 from test_operator import condition, diagnose
 
 pytestmark = pytest.mark.e2e

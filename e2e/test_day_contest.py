@@ -8,8 +8,8 @@ import pytest
 
 from day_contest import prompt_vocab, run_realtime
 
-from kvpilot.engine.sim.scenarios import scenario
-from kvpilot.operator.autotune.contest import Contender, run_contender
+from kvpilot.engine.fleet.scenarios import scenario
+from kvpilot.operator.autotune.virtual.contest import Contender, run_contender
 
 pytestmark = pytest.mark.e2e
 

@@ -41,7 +41,7 @@ def operator(cluster, wait_for):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from kvpilot.engine.tiny_model import make_tiny_model
+    from kvpilot.engine.tiny.model import make_tiny_model
     return make_tiny_model(tmp_path_factory.mktemp("e2e-model") / "tiny")
 
 

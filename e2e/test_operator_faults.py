@@ -33,7 +33,7 @@ from test_operator import (OPERATOR_NS, condition, diagnose, engine_pods, is_rea
 
 pytestmark = pytest.mark.e2e
 
-FAULT_EXIT_CODE = 86  # kvpilot.operator.faults.EXIT_CODE
+FAULT_EXIT_CODE = 86  # kvpilot.operator.runtime.faults.EXIT_CODE
 READY_S = 300
 
 

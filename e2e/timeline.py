@@ -2,7 +2,7 @@
 signals over time, goodput, the time the autotuner took to converge, the
 results table and the timeline PNG (matplotlib, Agg backend).
 
-Nothing here talks to a cluster; tests/test_autotune_bench_units.py covers it."""
+Nothing here talks to a cluster; tests/operator/autotune/virtual/test_autotune_bench_units.py covers it."""
 from __future__ import annotations
 
 import math

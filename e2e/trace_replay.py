@@ -16,8 +16,8 @@ from typing import Callable
 import aiohttp
 
 from kvpilot.engine.server.server_timing import parse_server_timing
-from kvpilot.engine.sim.fleet import SimRequest
-from kvpilot.engine.sim.trace import TraceRequest
+from kvpilot.engine.fleet.fleet import SimRequest
+from kvpilot.engine.fleet.trace import TraceRequest
 
 from background import AsyncWorker
 

@@ -9,10 +9,10 @@ from importlib import import_module
 _EXPORTS = {
     "LLM": ".llm",
     "LLMEngine": ".llm_engine",
-    "EngineConfig": ".config",
-    "SamplingParams": ".sampling_params",
-    "RequestOutput": ".outputs",
-    "CompletionOutput": ".outputs",
+    "EngineConfig": ".config.engine",
+    "SamplingParams": ".core.sampling_params",
+    "RequestOutput": ".core.outputs",
+    "CompletionOutput": ".core.outputs",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from .engine_args import add_engine_args, engine_config_from_args
+from .config.args import add_engine_args, engine_config_from_args
 
 COMMANDS_GROUP = "kvpilot.commands"  # entry points: add_parser(subparsers) of more commands
 # make-tiny-model --train-FIELD flags: TrainConfig fields a user may set (unset: its default).
@@ -15,7 +15,7 @@ _TRAIN_FLAGS = {"steps": int, "batch_size": int, "seq_len": int, "lr": float}
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from .tiny_model import make_tiny_model
+    from .tiny.model import make_tiny_model
 
     shape = dict(
         arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
@@ -32,7 +32,7 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
             raise ValueError(f"{flags}: only with --train")
         print(make_tiny_model(args.dir, **shape))
         return 0
-    from .tiny_train import TRAINING_REPORT, TrainConfig, make_trained_model
+    from .tiny.train import TRAINING_REPORT, TrainConfig, make_trained_model
 
     path = make_trained_model(args.dir, train_config=TrainConfig(**recipe), **shape)
     report = json.loads((path / TRAINING_REPORT).read_text())
@@ -46,7 +46,7 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .llm import LLM
-    from .sampling_params import SamplingParams
+    from .core.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
     llm = LLM(**vars(config))
@@ -120,10 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     # as entry points of the group "kvpilot.commands", so the engine never names them.
     from importlib.metadata import entry_points
 
-    from . import (bench_overhead, bench_parallel, bench_quantization, bench_serve, bench_soak,
-                   bench_speculative, bench_throughput, fetch_cli)
+    from .bench import overhead as bench_overhead, parallel as bench_parallel, quantization as bench_quantization, serve as bench_serve, soak as bench_soak, speculative as bench_speculative, throughput as bench_throughput
+    from .fetch import cli as fetch_cli
     from .server import cli as server_cli
-    from .sim import cli as sim_cli
+    from .fleet import cli as sim_cli
 
     bench_throughput.add_parser(bench)
     bench_serve.add_parser(bench)

@@ -7,9 +7,9 @@ import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .config import EngineConfig
-    from .executor import Executor
-    from .tokenizer import Tokenizer
+    from .config.engine import EngineConfig
+    from .core.executor import Executor
+    from .core.tokenizer import Tokenizer
 
 
 def load_executor(config: EngineConfig, clock) -> tuple[Executor, Tokenizer]:
@@ -20,10 +20,10 @@ def load_executor(config: EngineConfig, clock) -> tuple[Executor, Tokenizer]:
 
         executor = SimulatedExecutor.load(config, clock)
         return executor, executor.tokenizer
-    from .model_config import ModelConfig
-    from .model_runner import ModelRunner
-    from .model_source import resolve_model
-    from .tokenizer import Tokenizer
+    from .config.model import ModelConfig
+    from .worker.model_runner import ModelRunner
+    from .loader.source import resolve_model
+    from .core.tokenizer import Tokenizer
 
     model_dir = resolve_model(config.model)
     model_config = ModelConfig.from_dir(model_dir, config.quantization)
@@ -31,7 +31,7 @@ def load_executor(config: EngineConfig, clock) -> tuple[Executor, Tokenizer]:
     # gpu_check (and a test) run the multi-process code path with one rank this way: the
     # process group (NCCL on CUDA), the sharded loader and the step protocol, no worker.
     if config.world_size > 1 or os.environ.get("KVPILOT_PARALLEL_EXECUTOR") == "1":
-        from .parallel.launch import start_parallel
+        from .worker.launch import start_parallel
 
         return start_parallel(config, model_config, str(model_dir)), tokenizer
     return ModelRunner(config, model_config, str(model_dir)), tokenizer

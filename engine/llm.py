@@ -7,10 +7,10 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from .config import EngineConfig
+from .config.engine import EngineConfig
 from .llm_engine import LLMEngine
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .core.outputs import RequestOutput
+from .core.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
 

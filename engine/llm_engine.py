@@ -6,21 +6,21 @@ import hashlib
 import logging
 from array import array
 
-from .clock import RealClock
-from .config import EngineConfig
+from .core.clock import RealClock
+from .config.engine import EngineConfig
 from .executor_loading import load_executor
-from .kv_cache_manager import KVCacheManager
-from .latency import LatencySink, finished_record
-from .metric_buckets import SERVICE_TIERS
-from .output_processor import OutputProcessor
-from .outputs import EngineStats, RequestOutput
-from .quantity import format_bytes
-from .request import Request, RequestGroup, RequestStatus
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerLimits
-from .speculator import check_num_speculative_tokens, make_speculator
-from .step_isolation import run_isolating, without
-from .validation import positive_int, token_ids
+from .core.kv_cache_manager import KVCacheManager
+from .core.latency import LatencySink, finished_record
+from .metrics.buckets import SERVICE_TIERS
+from .core.output_processor import OutputProcessor
+from .core.outputs import EngineStats, RequestOutput
+from .config.quantity import format_bytes
+from .core.request import Request, RequestGroup, RequestStatus
+from .core.sampling_params import SamplingParams
+from .core.scheduler import Scheduler, SchedulerLimits
+from .spec_decode.speculator import check_num_speculative_tokens, make_speculator
+from .core.step_isolation import run_isolating, without
+from .config.validation import positive_int, token_ids
 
 log = logging.getLogger("kvpilot.engine")
 

@@ -12,7 +12,7 @@ re-export them: a function named like its module would be shadowed by the module
 - ``kvpilot.kernels.gpu_check``: the one-shot GPU correctness and bandwidth check
   (``python -m kvpilot.kernels.gpu_check``; ``--cpu`` runs its correctness part
   under the Triton interpreter)
-- ``kvpilot.kernels.compile_check``: compiles every kernel variant for sm_90 with no GPU
+- ``kvpilot.kernels.check.compile``: compiles every kernel variant for sm_90 with no GPU
 - ``kvpilot.kernels.testing``: random paged-cache cases and a float64 dense oracle
 
 In each module the Triton wrapper and the torch reference share one signature, so

@@ -50,12 +50,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .gpu_check_correctness import run_correctness
-from .gpu_check_e2e import run_end_to_end
-from .gpu_check_graphs import format_graphs, run_decode_graphs
-from .gpu_check_quant import format_quant_gemm, run_quant_gemm
-from .gpu_check_parallel import format_parallel, run_parallel
-from .gpu_check_spec import format_speculative, run_speculative
+from .check.correctness import run_correctness
+from .check.e2e import run_end_to_end
+from .check.graphs import format_graphs, run_decode_graphs
+from .check.quant import format_quant_gemm, run_quant_gemm
+from .check.parallel import format_parallel, run_parallel
+from .check.spec import format_speculative, run_speculative
 
 LLAMA3_8B = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 DECODE_BATCHES = (1, 16, 64, 256)

@@ -8,7 +8,7 @@ Tolerance: the kernel copies bits (no arithmetic), so it must match
 ``write_kv_cache_reference`` exactly in every dtype.
 
 An fp8 cache (``float8_e4m3fn``): K/V are quantized in torch first (x / scale, saturated
-to +-448, rounded to nearest even: ``kvpilot.engine.kv_cache_dtype.quantize_fp8``, the
+to +-448, rounded to nearest even: ``kvpilot.kernels.kv_cache_dtype.quantize_fp8``, the
 torch path's own codec) and the kernel scatters their bytes. The cast stays out of the
 kernel because Triton 3.9's interpreter rounds float32 -> e4m3 wrongly when the rounding
 carries into the exponent (124 becomes 64), so an in-kernel cast could not be tested
@@ -126,7 +126,7 @@ def write_kv_cache(
 
 def _as_fp8_bytes(key, value, k_cache, v_cache, k_scale: float, v_scale: float):
     """The step's K/V quantized for an fp8 cache, and all four as uint8 views."""
-    from kvpilot.engine.kv_cache_dtype import quantize_fp8
+    from kvpilot.kernels.kv_cache_dtype import quantize_fp8
 
     return (quantize_fp8(key, k_scale).view(torch.uint8), quantize_fp8(value, v_scale).view(torch.uint8),
             k_cache.view(torch.uint8), v_cache.view(torch.uint8))

@@ -1,6 +1,6 @@
 """Integer-weight GEMM (W4A16 / W8A16): ``y = x @ dequant(W).T (+ bias)``.
 
-Weight layout (``kvpilot.engine.quant_pack``, the engine's only one): ``qweight`` int32
+Weight layout (``kvpilot.kernels.quant_pack``, the engine's only one): ``qweight`` int32
 ``[K // per_word, N]`` packed along K (word r of column n holds rows ``k = r * per_word + i``
 at bits ``[i*bits, (i+1)*bits)``), ``scales``/``zeros`` ``[num_groups, N]`` in the
 activations' dtype, ``num_groups = ceil(K / group_size)`` (the last group may be partial),
@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpilot.engine.quant_pack import BITS, QuantizedWeight, dequantize, per_word
+from kvpilot.kernels.quant_pack import BITS, QuantizedWeight, dequantize, per_word
 from kvpilot.kernels._common import next_power_of_2, upcast_dots
 
 # Relative error ||out - ref|| / ||ref|| (kvpilot.kernels.testing.rel_error) the kernel may

@@ -38,7 +38,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("crd", help="print the LLMDeployment CRD (YAML)")
     p.set_defaults(func=_cmd_crd)
 
-    from .autotune import simulate_cli
+    from .autotune.virtual import simulate_cli
 
     simulate_cli.add_parser(subparsers)
 
@@ -51,7 +51,7 @@ def _positive_int(text: str) -> int:
 
 
 def _cmd_crd(args: argparse.Namespace) -> int:
-    from .crd import crd_yaml
+    from .api.crd import crd_yaml
 
     print(crd_yaml(), end="")
     return 0
@@ -71,7 +71,7 @@ def _cmd_operator(args: argparse.Namespace) -> int:
         start_http_server(args.metrics_port, addr=args.bind_address)
     namespaces = args.namespace or []
     if args.leader_elect:
-        from .leader_run import run_elected
+        from .ha.leader_run import run_elected
 
         # kopf's peering stays off (standalone): the Lease decides who runs kopf at all.
         def run_kopf(leading):  # the handlers find the leadership check in kopf's memo
@@ -86,8 +86,8 @@ def _cmd_operator(args: argparse.Namespace) -> int:
 
 def election_config(args: argparse.Namespace):
     """The leader-election settings from the flags, validated (ValueError names the flag)."""
-    from .election import ElectionTiming
-    from .leader_run import ElectionConfig, default_identity, default_namespace
+    from .ha.election import ElectionTiming
+    from .ha.leader_run import ElectionConfig, default_identity, default_namespace
 
     try:
         timing = ElectionTiming(args.leader_elect_lease_duration, args.leader_elect_renew_deadline,

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge
 
-from . import metrics
+from .runtime import metrics
 from .autotune.hook import parse_duration
-from .spec import LLMDeploymentSpec
-from .status import LLMDeploymentStatus
+from .api.spec import LLMDeploymentSpec
+from .api.status import LLMDeploymentStatus
 
 ACTIONS = ("change", "revert")
 SETTINGS = ("max_num_seqs", "max_model_len", "replicas", "num_speculative_tokens")

@@ -14,16 +14,16 @@ from typing import Callable
 
 import kopf
 
-from . import metrics
-from .applied import AppliedCache
-from .apply import Conflict, Kube
-from .kube_config import load_kube_config
-from .objects import INSTANCE_LABEL, MANAGED_BY
+from .runtime import metrics
+from .runtime.applied import AppliedCache
+from .runtime.apply import Conflict, Kube
+from .runtime.kube_config import load_kube_config
+from .manifests.objects import INSTANCE_LABEL, MANAGED_BY
 from .deployment_metrics import DeploymentMetrics
 from .reconcile import load_autotune_hook, load_pass_hook_factory, parse_spec, reconcile, write_invalid
-from .resync import DEFAULT_MAX_CONCURRENT, ResyncPool
-from .spec import GROUP, KIND, PLURAL, VERSION, InvalidSpec
-from .status import LLMDeploymentStatus
+from .runtime.resync import DEFAULT_MAX_CONCURRENT, ResyncPool
+from .api.spec import GROUP, KIND, PLURAL, VERSION, InvalidSpec
+from .api.status import LLMDeploymentStatus
 
 log = logging.getLogger(__name__)
 RESYNC_SECONDS = float(os.environ.get("KVPILOT_RESYNC_SECONDS", "30"))  # the CLI sets it

@@ -17,12 +17,12 @@ import logging
 from datetime import datetime, timezone
 from typing import Callable, Optional
 
-from kvpilot.engine.fetch_types import human_size
+from kvpilot.engine.fetch.base import human_size
 
-from .conditions import Problem, now_iso
-from .model_download import INIT_CONTAINER, remote_source
-from .spec import LLMDeploymentSpec
-from .status import Condition, ModelStatus
+from .api.conditions import Problem, now_iso
+from .manifests.model_download import INIT_CONTAINER, remote_source
+from .api.spec import LLMDeploymentSpec
+from .api.status import Condition, ModelStatus
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +66,9 @@ def resolve_revision(spec: LLMDeploymentSpec, prev: ModelStatus | None, token: C
     if same and prev.phase == "Failed" and prev.checked_at and \
             (now - _parse(prev.checked_at)).total_seconds() < RETRY_FAILED_S:
         return prev
-    from kvpilot.engine.fetch_hub import hub_listing
-    from kvpilot.engine.fetch_types import ModelFetchError
-    from kvpilot.engine.model_uri import FileSelection, parse_source
+    from kvpilot.engine.fetch.hub import hub_listing
+    from kvpilot.engine.fetch.base import ModelFetchError
+    from kvpilot.engine.fetch.uri import FileSelection, parse_source
     checked = now.strftime("%Y-%m-%dT%H:%M:%SZ")
     try:
         listing = hub_listing(parse_source(src), FileSelection(tuple(spec.model.files)), endpoint, token())

@@ -7,8 +7,8 @@ will not clear by waiting; its message names the pod, the container, the restart
 last exit code and termination message (FallbackToLogsOnError puts the log's tail there)."""
 from __future__ import annotations
 
-from .conditions import Problem
-from .model_download import INIT_CONTAINER
+from .api.conditions import Problem
+from .manifests.model_download import INIT_CONTAINER
 
 # Waiting reasons that mean the container will not start without a change (ContainerCreating
 # and PodInitializing are the normal way up and are left out).

@@ -10,17 +10,17 @@ from typing import Callable, Optional
 
 from pydantic import ValidationError
 
-from . import faults
-from .apply import Kube
-from .conditions import CORE_CONDITIONS, Problem, Rollout, status_from
-from .deployment import build_deployment, pvc_claim
-from .objects import (Owner, build_configmap, build_pdb, build_service, effective_settings, endpoint_url,
+from .runtime import faults
+from .runtime.apply import Kube
+from .api.conditions import CORE_CONDITIONS, Problem, Rollout, status_from
+from .manifests.deployment import build_deployment, pvc_claim
+from .manifests.objects import (Owner, build_configmap, build_pdb, build_service, effective_settings, endpoint_url,
                       selector_string)
 from .model_status import MODEL_READY, hub_token, model_progress, resolve_revision, unresolved
 from .pod_health import pod_problems
-from .simulate import simulated_summary
-from .spec import GROUP, KIND, VERSION, InvalidSpec, LLMDeploymentSpec, validate_spec
-from .status import AutotuneStatus, Condition, Effective, LLMDeploymentStatus, ModelStatus
+from .manifests.simulate import simulated_summary
+from .api.spec import GROUP, KIND, VERSION, InvalidSpec, LLMDeploymentSpec, validate_spec
+from .api.status import AutotuneStatus, Condition, Effective, LLMDeploymentStatus, ModelStatus
 
 log = logging.getLogger(__name__)
 

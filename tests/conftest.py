@@ -1,4 +1,6 @@
 import os
+import sys
+from pathlib import Path
 
 # Triton kernels run in Triton's CPU interpreter in the fast tests. The variable is
 # read when triton is first imported, so it is set here, before any test module
@@ -8,11 +10,19 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
+# The tests mirror the package, one folder per subpackage, and some share fakes by importing
+# another test module by its basename (`from test_autotune_hook import FakeKube`): every test
+# folder is on sys.path, as pytest's default import mode puts a module's own folder there.
+# Basenames are unique across tests/ (pytest refuses duplicates in this mode anyway).
+for _folder in sorted({p.parent for p in Path(__file__).parent.rglob("test_*.py")}):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """One model of the builtin:tiny shape (make-tiny-model defaults, seed 0) per session."""
-    from kvpilot.engine.tiny_model import make_tiny_model
+    from kvpilot.engine.tiny.model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama") / "model")
 
@@ -20,7 +30,7 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory):
     """A small Qwen2 model (q/k/v biases, Qwen2 pre-tokenizer) per session."""
-    from kvpilot.engine.tiny_model import make_tiny_model
+    from kvpilot.engine.tiny.model import make_tiny_model
 
     return make_tiny_model(
         tmp_path_factory.mktemp("tiny-qwen2") / "model",

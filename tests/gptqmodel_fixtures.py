@@ -1,7 +1,7 @@
 """GPTQ and AWQ checkpoints of a float model, made by GPTQModel (the reference tool, from
 PyPI) on this CPU, and GPTQModel's own reading of each: run as a script, in a subprocess
 (GPTQModel starts thread pools and patches torch on import, which the test process keeps
-out of). tests/test_gptq_awq.py caches the result per source model.
+out of). tests/engine/quant/test_gptq_awq.py caches the result per source model.
 
     python gptqmodel_fixtures.py SRC OUT PROMPTS.json
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.engine.serve_process import ServeProcess, free_port  # noqa: F401  (free_port: re-exported)
+from kvpilot.engine.bench.serve_process import ServeProcess, free_port  # noqa: F401  (free_port: re-exported)
 
 START_DEADLINE_S = 180.0
 
@@ -126,7 +126,7 @@ def shared_server(kind: str = "real") -> ServerProcess:
 def fail_preparing_requests(monkeypatch, prefix: str) -> None:
     """Makes building a step's inputs raise for every sequence whose id starts with `prefix`
     (its token slice is read there), as a bug or a bad value in one request would."""
-    from kvpilot.engine.request import Request
+    from kvpilot.engine.core.request import Request
 
     real_token_at = Request.token_at
 

@@ -2,8 +2,8 @@
 health checker must tell apart (Argo CD's Lua check, kstatus)."""
 from __future__ import annotations
 
-from kvpilot.operator.conditions import Problem, Rollout, status_from
-from kvpilot.operator.status import LLMDeploymentStatus
+from kvpilot.operator.api.conditions import Problem, Rollout, status_from
+from kvpilot.operator.api.status import LLMDeploymentStatus
 
 READY = Rollout(desired=2, replicas=2, ready=2, updated=2, available=2, up_to_date=True, deadline_exceeded=False)
 ROLLING = Rollout(desired=2, replicas=2, ready=1, updated=1, available=1, up_to_date=True, deadline_exceeded=False)

@@ -1,7 +1,7 @@
 // kstatus-check: reads Kubernetes objects (a JSON array) on stdin and prints, for each, the
 // status sigs.k8s.io/cli-utils' kstatus computes for it (what Flux's and kpt's health checks
 // use), as a JSON array of {"status", "message"}. kvpilot's tests feed it LLMDeployments
-// written by the operator's own status code (tests/test_kstatus.py).
+// written by the operator's own status code (tests/chart/test_kstatus.py).
 package main
 
 import (

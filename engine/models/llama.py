@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import PagedAttention
-from ..attention_metadata import AttentionMetadata
-from ..model_config import ModelConfig
+from ..attention.layer import PagedAttention
+from ..attention.metadata import AttentionMetadata
+from ..config.model import ModelConfig
 from ..parallel.sharding import ModelShard
 from .rotary import RopeTables, RotaryEmbedding, apply_rotary
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model_config import ModelConfig
+from ..config.model import ModelConfig
 from .llama import RMSNorm
 from .rotary import RotaryEmbedding
 

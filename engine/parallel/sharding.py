@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..model_config import ModelConfig
+from ..config.model import ModelConfig
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 # checkpoint projection -> the dimension its tensor-parallel slice is cut along

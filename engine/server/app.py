@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_fastapi_instrumentator import Instrumentator
 
-from ..validation import token_ids
+from ..config.validation import token_ids
 from .async_engine import AsyncEngine
 from .errors import APIError, install_error_handlers, parse_body, send_error
 from .body_guard import BodyGuard

@@ -16,10 +16,10 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Callable
 
-from ..executor import EngineDeadError
-from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
-from .metrics import ServerMetrics
+from ..core.executor import EngineDeadError
+from ..core.outputs import RequestOutput
+from ..core.sampling_params import SamplingParams
+from ..metrics.exporter import ServerMetrics
 from .streams import RequestStream, RequestTrack, Snapshot
 
 if TYPE_CHECKING:

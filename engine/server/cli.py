@@ -10,8 +10,8 @@ log = logging.getLogger("kvpilot.server")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from ..engine_args import add_engine_args
-    from ..flags import add_dataclass_flags
+    from ..config.args import add_engine_args
+    from ..config.flags import add_dataclass_flags
     from .limits import ServerLimits
 
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
@@ -36,13 +36,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..engine_args import engine_config_from_args
-    from ..flags import dataclass_from_args
+    from ..config.args import engine_config_from_args
+    from ..config.flags import dataclass_from_args
     from ..llm_engine import LLMEngine
     from .limits import ServerLimits
     from .app import build_app
     from .async_engine import AsyncEngine
-    from .metrics import ServerMetrics
+    from ..metrics.exporter import ServerMetrics
     from .runner import run_server
     from .serving_common import ServerSettings
 

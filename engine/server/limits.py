@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import setting
-from ..quantity import parse_bytes
+from ..config.engine import setting
+from ..config.quantity import parse_bytes
 
 
 @dataclass

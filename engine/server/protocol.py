@@ -13,7 +13,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..sampling_params import (
+from ..core.sampling_params import (
     INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_TEMPERATURE,
     MIN_REPETITION_PENALTY,
 )

@@ -5,7 +5,7 @@ a benchmark or a browser's devtools can, without the per-token cost of SSE."""
 
 from __future__ import annotations
 
-from ..outputs import RequestMetrics
+from ..core.outputs import RequestMetrics
 
 
 def server_timing(m: RequestMetrics | None, num_output_tokens: list[int]) -> str | None:

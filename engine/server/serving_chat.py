@@ -7,8 +7,8 @@ import time
 from fastapi import Request
 from fastapi.responses import Response
 
-from ..outputs import TokenLogprob
-from ..sampling_params import MAX_LOGPROBS
+from ..core.outputs import TokenLogprob
+from ..core.sampling_params import MAX_LOGPROBS
 from .errors import APIError
 from .protocol import ChatCompletionRequest, ChatMessage
 from .serving_common import (

@@ -13,8 +13,8 @@ from typing import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..outputs import TokenLogprob
-from ..sampling_params import SamplingParams
+from ..core.outputs import TokenLogprob
+from ..core.sampling_params import SamplingParams
 from .async_engine import AsyncEngine
 from .streams import ChoiceDelta, EngineError, RequestStream, Snapshot, StreamClosed
 from .errors import APIError, error_body

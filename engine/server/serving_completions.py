@@ -7,8 +7,8 @@ import time
 from fastapi import Request
 from fastapi.responses import Response
 
-from ..outputs import TokenLogprob
-from ..validation import token_ids
+from ..core.outputs import TokenLogprob
+from ..config.validation import token_ids
 from .errors import APIError
 from .protocol import CompletionRequest
 from .serving_common import (

@@ -8,7 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..outputs import CompletionOutput, RequestMetrics, TokenLogprob
+from ..core.outputs import CompletionOutput, RequestMetrics, TokenLogprob
 
 
 class EngineError(RuntimeError):

@@ -16,7 +16,7 @@ import json
 import logging
 from pathlib import Path
 
-from ..validation import positive_int
+from ..config.validation import positive_int
 
 log = logging.getLogger("kvpilot.server.tuning")
 

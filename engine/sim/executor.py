@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import logging
 
-from ..config import EngineConfig
-from ..executor import StepResult
-from ..scheduler import SchedulerOutput
-from ..tokenizer import Tokenizer
+from ..config.engine import EngineConfig
+from ..core.executor import StepResult
+from ..core.scheduler import SchedulerOutput
+from ..core.tokenizer import Tokenizer
 from .hardware import Accelerator, resolve_accelerator
 from .parallel import SINGLE_GPU, TensorParallel, tensor_parallel
 from .shapes import ModelShape, resolve_model_shape

@@ -22,12 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..config import MAX_PARALLEL_SIZE
+from ..config.engine import MAX_PARALLEL_SIZE
 from .hardware import Accelerator, Interconnect, resolve_interconnect
 from .shapes import ModelShape
 
 if TYPE_CHECKING:
-    from ..config import EngineConfig
+    from ..config.engine import EngineConfig
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..model_config import DTYPE_BYTES, unimplemented
-from ..validation import positive_int
+from ..config.model import DTYPE_BYTES, unimplemented
+from ..config.validation import positive_int
 
 
 def _dense(arch: str, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
@@ -137,7 +137,7 @@ def resolve_model_shape(spec: str, dtype: str = "auto") -> ModelShape:
         return ModelShape.from_config(PRESETS[spec], spec, dtype)
     path = Path(spec)
     if spec.startswith("builtin:"):
-        from ..model_source import resolve_model
+        from ..loader.source import resolve_model
 
         path = resolve_model(spec)
     tokenizer_dir = None

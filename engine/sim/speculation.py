@@ -16,9 +16,9 @@ token stream with or without speculation, as greedy output is on the real engine
 
 from __future__ import annotations
 
-from ..request import Request
-from ..speculative_config import SpeculativeConfig
-from .config import SimulationConfig
+from ..core.request import Request
+from ..config.speculative import SpeculativeConfig
+from ..config.simulation import SimulationConfig
 from .hardware import Accelerator
 from .parallel import SINGLE_GPU, TensorParallel
 from .shapes import ModelShape

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..sampling_params import SamplingParams
+from ..core.sampling_params import SamplingParams
 
 # Calibration and validation use different shapes: the fit must predict what it never saw.
 GRIDS = {

@@ -4,8 +4,8 @@ process, without torch), so text prompts, chat templates and streamed text all w
 
 from __future__ import annotations
 
-from ..tiny_tokenizer import BOS_TOKEN, EOS_TOKEN, IM_END, tokenizer_config, train_tokenizer
-from ..tokenizer import Tokenizer
+from ..tiny.tokenizer import BOS_TOKEN, EOS_TOKEN, IM_END, tokenizer_config, train_tokenizer
+from ..core.tokenizer import Tokenizer
 
 SIM_VOCAB = 4096  # the tiny models' tokenizer size
 

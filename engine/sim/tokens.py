@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from statistics import NormalDist
 
-from ..outputs import TokenLogprob
+from ..core.outputs import TokenLogprob
 
 _MASK = (1 << 64) - 1
 _EOS_SALT = 0x5EED_E05

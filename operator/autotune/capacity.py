@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvpilot.engine.quantity import format_bytes, parse_bytes
+from kvpilot.engine.config.quantity import format_bytes, parse_bytes
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8": 1}
 

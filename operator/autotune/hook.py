@@ -38,11 +38,11 @@ import re
 import time
 from typing import Any, Callable, Protocol
 
-from .. import metrics
-from ..objects import INSTANCE_LABEL
+from ..runtime import metrics
+from ..manifests.objects import INSTANCE_LABEL
 from ..reconcile import AutotuneContext, AutotuneOutcome
-from ..spec import GROUP, KIND, VERSION, LLMDeploymentSpec, spec_tokens_bounds
-from ..status import AutotuneStatus, Condition, Effective
+from ..api.spec import GROUP, KIND, VERSION, LLMDeploymentSpec, spec_tokens_bounds
+from ..api.status import AutotuneStatus, Condition, Effective
 from .advice import restart_advice
 from .capacity import CapacityPlan, plan_capacity
 from .decision import Action, Bounds, Decision, Diagnosis, Range, Settings, Thresholds

@@ -11,7 +11,7 @@ setting meanwhile; the diagnosis is NoData).
 """
 from __future__ import annotations
 
-from ..status import Condition
+from ..api.status import Condition
 from .prometheus import BAD_RESPONSE, UNREACHABLE, MetricsUnavailable
 from .signals import Snapshot
 

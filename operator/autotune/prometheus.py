@@ -57,7 +57,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvpilot.engine.metric_buckets import FLEX_TIER, TIER_TPOT_METRIC  # the metric contract
+from kvpilot.engine.metrics.buckets import FLEX_TIER, TIER_TPOT_METRIC  # the metric contract
 from .signals import PodSettings, Snapshot
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .. import metrics
+from ..runtime import metrics
 from .prometheus import QUERY_TIMEOUT_S, QueryClient
 
 

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import httpx
 
-from kvpilot.engine.bench_serve import stream_completion
-from kvpilot.engine.bench_serve_stats import summarize
-from kvpilot.engine.serve_process import ServeProcess, free_port
+from kvpilot.engine.bench.serve import stream_completion
+from kvpilot.engine.bench.serve_stats import summarize
+from kvpilot.engine.bench.serve_process import ServeProcess, free_port
 from kvpilot.operator.gateway.bench_paired import added_latency, drive_paired, streamed_completion
 
 DEFAULT_ENGINE_ARGS = ["--simulate", "l4", "--simulate-model", "llama-3.1-8b", "--max-model-len", "4096"]

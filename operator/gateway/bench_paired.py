@@ -15,8 +15,8 @@ import statistics
 
 import httpx
 
-from kvpilot.engine.bench_serve import stream_completion
-from kvpilot.engine.bench_serve_stats import RequestResult
+from kvpilot.engine.bench.serve import stream_completion
+from kvpilot.engine.bench.serve_stats import RequestResult
 
 
 def streamed_completion(model: str, prompt: list[int], output_tokens: int) -> dict:

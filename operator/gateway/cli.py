@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from kvpilot.engine.flags import add_dataclass_flags, dataclass_from_args
+from kvpilot.engine.config.flags import add_dataclass_flags, dataclass_from_args
 
 from .config import GatewaySettings
 

@@ -6,8 +6,8 @@ import asyncio
 import logging
 from collections.abc import Iterable
 
-from ..objects import HTTP_PORT, INSTANCE_LABEL
-from ..spec import GROUP, PLURAL, VERSION
+from ..manifests.objects import HTTP_PORT, INSTANCE_LABEL
+from ..api.spec import GROUP, PLURAL, VERSION
 from .table import BackendSnapshot
 
 log = logging.getLogger("kvpilot.gateway")
@@ -91,7 +91,7 @@ class KubernetesDiscovery:
     def __init__(self, namespaces: list[str], interval: float) -> None:
         from kubernetes import client
 
-        from ..kube_config import load_kube_config
+        from ..runtime.kube_config import load_kube_config
 
         load_kube_config()
         self.api = client.ApiClient()

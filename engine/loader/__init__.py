@@ -1,0 +1,1 @@
+"""Loading model weights: the model source, safetensors reading (sharded for parallel ranks)."""

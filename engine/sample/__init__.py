@@ -1,0 +1,1 @@
+"""Sampling: the sampler, penalties, row-wise argmax and the rejection sampler for speculation."""

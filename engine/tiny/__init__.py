@@ -1,0 +1,1 @@
+"""The built-in tiny model: `kvpilot make-tiny-model`, its tokenizer and optional training."""

@@ -1,0 +1,2 @@
+"""The LLMDeployment API: pydantic spec and status models, conditions, and the CRD generated
+from them."""

@@ -1,0 +1,86 @@
+"""Pure: the pod-template pieces for a model fetched from hf:// or s3://.
+
+An init container (the engine's own image) runs `kvpilot fetch-model` into a cache volume
+(an emptyDir, or the PVC in spec.model.cache.claimName that replicas and restarts share);
+the engine container then reads the same cache offline, with no credentials. The init
+container prints JSON progress lines (the operator reads the last one from its log) and
+writes its outcome as JSON to the termination message (reason and message on failure)."""
+from __future__ import annotations
+
+from ..api.spec import LLMDeploymentSpec
+
+INIT_CONTAINER = "model-fetch"
+MODEL_CACHE_VOLUME = "model-cache"
+TERMINATION_LOG = "/dev/termination-log"
+
+
+def remote_source(spec: LLMDeploymentSpec) -> str | None:
+    src = spec.model.source
+    return src if src and src.startswith(("hf://", "s3://")) else None
+
+
+def pinned_source(spec: LLMDeploymentSpec, revision: str | None) -> str:
+    """The source the pods fetch and load: hf:// at the commit status.model pinned."""
+    src = remote_source(spec)
+    if src is None:
+        raise ValueError("model.source is not hf:// or s3://")
+    if src.startswith("hf://"):
+        if revision is None:
+            raise ValueError("an hf:// source needs its resolved commit")
+        return f"{src.partition('@')[0]}@{revision}"
+    return src
+
+
+def source_env(spec: LLMDeploymentSpec) -> list[dict]:
+    """The variables huggingface_hub and boto3 read, from the spec and its Secrets."""
+    m = spec.model
+    env: list[dict] = []
+    if m.hf is not None:
+        if m.hf.endpoint:
+            env.append({"name": "HF_ENDPOINT", "value": m.hf.endpoint})
+        if m.hf.token_secret_ref is not None:
+            ref = m.hf.token_secret_ref
+            env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    if m.s3 is not None:
+        if m.s3.endpoint:
+            env.append({"name": "AWS_ENDPOINT_URL", "value": m.s3.endpoint})
+        if m.s3.region:
+            env.append({"name": "AWS_REGION", "value": m.s3.region})
+        if m.s3.path_style:
+            env.append({"name": "KVPILOT_S3_PATH_STYLE", "value": "1"})
+        if m.s3.credentials_secret_ref is not None:
+            name = m.s3.credentials_secret_ref.name
+            for key, optional in (("AWS_ACCESS_KEY_ID", False), ("AWS_SECRET_ACCESS_KEY", False),
+                                  ("AWS_SESSION_TOKEN", True)):
+                ref = {"name": name, "key": key}
+                if optional:
+                    ref["optional"] = True
+                env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
+    return env
+
+
+def cache_volume(spec: LLMDeploymentSpec) -> dict:
+    claim = spec.model.cache.claim_name if spec.model.cache is not None else None
+    if claim:
+        return {"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": claim}}
+    return {"name": MODEL_CACHE_VOLUME, "emptyDir": {}}
+
+
+def init_container(spec: LLMDeploymentSpec, source: str, models_dir: str, base_env: list[dict],
+                   base_mounts: list[dict], security_context: dict) -> dict:
+    """`kvpilot fetch-model` with the engine's image, scratch and security context. It asks for
+    the engine's CPU and memory but no GPU: a download needs none."""
+    args = [source, "--cache-dir", models_dir, "--json-progress", "--termination-log", TERMINATION_LOG]
+    for pattern in spec.model.files:
+        args += ["--include", pattern]
+    r = spec.resources
+    return {
+        "name": INIT_CONTAINER, "image": spec.engine.image, "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": ["kvpilot", "fetch-model"], "args": args,
+        "env": base_env + source_env(spec),
+        "volumeMounts": base_mounts + [{"name": MODEL_CACHE_VOLUME, "mountPath": models_dir}],
+        "resources": {"requests": {"cpu": str(r.cpu), "memory": str(r.memory)},
+                      "limits": {"memory": str(r.memory)}},
+        "securityContext": security_context,
+        "terminationMessagePolicy": "File",
+    }

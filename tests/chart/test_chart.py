@@ -1,0 +1,126 @@
+"""The Helm chart: `helm lint` and `helm template` with the helm built from its
+Go module (e2e/build-helm.sh, cached outside the repository)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvpilot.operator.api.crd import build_crd
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "kvpilot"
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    if shutil.which("go") is None:
+        pytest.skip("Go is not installed: cannot build helm from its module")
+    proc = subprocess.run([str(ROOT / "e2e" / "build-helm.sh")], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"building helm failed (outside the repository?):\n{proc.stderr[-2000:]}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def render(helm: str, *args: str) -> list[dict]:
+    out = subprocess.run([helm, "template", "kvpilot", str(CHART), "-n", "kvpilot-system", *args],
+                         capture_output=True, text=True, check=True).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def by_kind(docs: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for d in docs:
+        out.setdefault(d["kind"], []).append(d)
+    return out
+
+
+def without_gateway(docs: list[dict]) -> list[dict]:
+    """The operator's objects: the gateway's (tests/chart/test_chart_gateway.py) left out."""
+    return [d for d in docs if (d["metadata"].get("labels") or {}).get("app.kubernetes.io/component") != "gateway"]
+
+
+def test_helm_lint(helm):
+    proc = subprocess.run([helm, "lint", "--strict", str(CHART)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_default_render(helm):
+    kinds = by_kind(without_gateway(render(helm)))
+    assert sorted(kinds) == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "PodDisruptionBudget",
+                             "Role", "RoleBinding", "Service", "ServiceAccount"]  # Role: the leader-election Lease
+    (dep,) = kinds["Deployment"]
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["command"][0] == "kvpilot" and "operator" in c["command"]
+    assert c["image"] == "kvpilot/engine:0.1.0"
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    sc = c["securityContext"]
+    assert sc["runAsNonRoot"] and not sc["allowPrivilegeEscalation"] and sc["readOnlyRootFilesystem"]
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["serviceAccountName"] == kinds["ServiceAccount"][0]["metadata"]["name"]
+    assert dep["spec"]["replicas"] == 2  # leader + standby (tests/chart/test_chart_ha.py)
+
+
+def test_rbac_is_least_privilege(helm):
+    (role,) = by_kind(without_gateway(render(helm)))["ClusterRole"]
+    for r in role["rules"]:
+        for field in ("apiGroups", "resources", "verbs"):
+            assert "*" not in r[field], r
+        assert not {"escalate", "bind", "impersonate", "deletecollection", "update"} & set(r["verbs"]), r
+    perms = {(g, res): set(r["verbs"]) for r in role["rules"] for g in r["apiGroups"] for res in r["resources"]}
+    assert perms[("serving.kvpilot.dev", "llmdeployments/status")] == {"get", "patch"}
+    assert perms[("", "secrets")] == {"get"}  # only to check the API key's Secret exists
+    assert "delete" not in perms[("apps", "deployments")]  # owner references clean up
+    # the autotuner: replicas only through the scale subresource; HPAs only looked at; Events
+    assert perms[("serving.kvpilot.dev", "llmdeployments/scale")] == {"patch"}
+    assert perms[("autoscaling", "horizontalpodautoscalers")] == {"list"}
+    assert "create" in perms[("", "events")]
+
+
+def test_namespaced_install_uses_roles(helm):
+    kinds = by_kind(without_gateway(render(helm, "--set", "watchNamespaces={team-a,team-b}")))
+    assert "ClusterRole" not in kinds
+    watched = [r for r in kinds["Role"] if not r["metadata"]["name"].endswith("-leader-election")]
+    assert sorted(r["metadata"]["namespace"] for r in watched) == ["team-a", "team-b"]
+    args = kinds["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args
+
+
+def test_monitoring_objects_only_with_prometheus_operator(helm):
+    assert "ServiceMonitor" not in by_kind(render(helm))
+    kinds = by_kind(render(helm, "--api-versions", "monitoring.coreos.com/v1"))
+    assert "ServiceMonitor" in kinds and "PrometheusRule" in kinds
+
+
+def test_kubeconfig_secret_mode(helm):
+    dep = by_kind(render(helm, "--set", "kubeconfigSecret=kc"))["Deployment"][0]
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert {"name": "KUBECONFIG", "value": "/etc/kvpilot-kubeconfig/kubeconfig"} in pod["containers"][0]["env"]
+
+
+def test_values_schema_rejects_bad_values(helm):
+    proc = subprocess.run([helm, "template", "x", str(CHART), "--set", "metricsPort=notaport"],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "metricsPort" in proc.stderr
+
+
+def test_chart_installs_the_generated_crd(helm):
+    docs = render(helm, "--include-crds")
+    (crd,) = by_kind(docs)["CustomResourceDefinition"]
+    assert crd == build_crd()
+
+
+def test_max_concurrent_reconciles_value(helm):
+    def args(*set_args: str) -> list[str]:
+        (dep,) = by_kind(without_gateway(render(helm, *set_args)))["Deployment"]
+        return dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--max-concurrent-reconciles=8" in args()
+    assert "--max-concurrent-reconciles=16" in args("--set", "maxConcurrentReconciles=16")
+    with pytest.raises(subprocess.CalledProcessError):
+        render(helm, "--set", "maxConcurrentReconciles=0")  # the values schema refuses it
