@@ -9,7 +9,7 @@ on builtin:tiny, and load from `kvpilot bench serve` (in process) aimed at a pod
     d. a TPOT objective below what the default batch width gives: max_num_seqs is
        narrowed (TPOTBound) and TPOT p95 falls.
 
-Each test prints the figures it measured (pytest -s shows them; the README quotes them)."""
+Each test prints the figures it measured (pytest -s shows them; docs/autotuner.md quotes them)."""
 from __future__ import annotations
 
 import asyncio

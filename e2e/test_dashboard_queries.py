@@ -2,7 +2,7 @@
 kvpilot's own dashboard, evaluated against the real Prometheus while kvpilot pods serve a
 mixed load, with the template variables substituted as Grafana would. Each panel built on
 series kvpilot exports must show data; the rest are counted with the feature they need
-(engine/metrics/vllm_series.py). The counts per dashboard are printed for the README."""
+(engine/metrics/vllm_series.py). The counts per dashboard are printed for docs/monitoring.md."""
 from __future__ import annotations
 
 import concurrent.futures

@@ -13,7 +13,7 @@ change (issue 15, item 5):
        ConfigMap: after its restart the ConfigMap equals status.effective and the history
        holds each change once, in an unbroken chain.
 
-Each prints its measured convergence time (pytest -s); the README's Reliability section
+Each prints its measured convergence time (pytest -s); docs/reliability.md
 quotes them. The fault-injected operator (4) runs last: its env var rolls the operator pod."""
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ defaults: two operator replicas, leader election over a coordination.k8s.io/v1 L
     d. `kubectl auth can-i --list` for the operator's ServiceAccount: no wildcard verbs or
        resources, and exactly the chart's permissions.
 
-Figures are printed (pytest -s shows them); the README's Reliability section quotes them."""
+Figures are printed (pytest -s shows them); docs/reliability.md quotes them."""
 from __future__ import annotations
 
 import json

@@ -18,7 +18,7 @@ large bf16 GEMMs at about 70 % of the dense peak, FlashAttention-style kernels a
 45 %, device-memory streaming at about 85 % of the bandwidth peak. The per-step overhead
 (scheduling, input preparation, kernel launches) defaults to 1 ms plus 15 us per
 sequence: with CUDA graphs, vLLM's batch-1 decode of Llama-3.1-8B runs within about 1 ms
-of the weight-streaming time on H100 and A100 (README, "Fidelity"). `kvpilot sim
+of the weight-streaming time on H100 and A100 (docs/simulator.md, "Calibration and fidelity"). `kvpilot sim
 calibrate` replaces all of these from measured step times.
 
 Interconnects (what tensor parallelism's all-reduces cross, engine/sim/parallel.py): an

@@ -4,7 +4,7 @@ The field guide's remedies for a KV cache pinned near full are a smaller cache f
 per token (quantize the cache) or a shorter maximum length. The autotuner moves
 max_model_len itself (KVCacheBound); an fp8 cache (spec.engine.kvCacheDtype: fp8) halves a
 16-bit cache's bytes per token, but it restarts every pod and changes the numbers the
-model computes (README, "fp8 KV cache": most greedy tokens agree, not all), so it is a
+model computes (docs/quantization.md, "The fp8 KV cache": most greedy tokens agree, not all), so it is a
 recommendation in status.autotune.advice, with the capacity it would give, for a person to
 weigh. A pure function of the diagnosis, the snapshot, the capacity plan and the spec.
 """

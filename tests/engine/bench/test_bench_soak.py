@@ -1,6 +1,6 @@
 """`kvpilot bench soak`: the request mix, how answers are judged, the checks, and a short
 soak of a real `kvpilot serve` started by the command (the 10,000-request figure is a
-benchmark, in the README, not a test)."""
+benchmark, in docs/server.md, not a test)."""
 
 from __future__ import annotations
 

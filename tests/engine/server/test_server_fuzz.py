@@ -2,7 +2,7 @@
 own /openapi.json: every operation, with bodies that fit the schema (positive) and bodies
 that break it (negative). Every response must be below 500, every non-2xx in the OpenAI
 envelope, every status one the schema declares, and every body that breaks the schema
-refused. The number of cases run is printed (the README quotes it)."""
+refused. The number of cases run is printed (docs/server.md quotes it)."""
 
 from __future__ import annotations
 
