@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from kvpilot.engine.config.engine import KV_CACHE_DTYPE_CHOICES
+# The names that mean fp8 storage (the engine's config lists every choice, "auto" too, and
+# refuses others before a cache is made; the codec needs only these).
+FP8_NAMES = ("fp8", "fp8_e4m3")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448.0
 
@@ -19,9 +21,9 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The cache tensors' dtype for `--kv-cache-dtype name` with a model in `model_dtype`."""
     if name == "auto":
         return model_dtype
-    if name in ("fp8", "fp8_e4m3"):
+    if name in FP8_NAMES:
         return FP8
-    raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, got {name!r}")
+    raise ValueError(f"kv_cache_dtype must be 'auto' or one of {FP8_NAMES}, got {name!r}")
 
 
 def is_fp8(cache: torch.Tensor) -> bool:

@@ -17,7 +17,7 @@ import kopf
 from .runtime import metrics
 from .runtime.applied import AppliedCache
 from .runtime.apply import Conflict, Kube
-from .runtime.kube_config import load_kube_config
+from .kube_config import load_kube_config
 from .manifests.objects import INSTANCE_LABEL, MANAGED_BY
 from .deployment_metrics import DeploymentMetrics
 from .reconcile import load_autotune_hook, load_pass_hook_factory, parse_spec, reconcile, write_invalid

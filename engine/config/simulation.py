@@ -2,13 +2,63 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 from .quantity import parse_bytes
-from ..sim.hardware import INTERCONNECTS
-from ..sim.tokens import OutputLengths
 
 DEFAULT_OUTPUT_LEN = "lognormal:256:1.0"
+# The links engine/sim/hardware.py models (its INTERCONNECTS, which a test holds to this list):
+# named here so that the setting is checked where it is read, without the simulator.
+INTERCONNECT_NAMES = ("nvlink4", "nvlink3", "pcie5", "pcie4")
+
+
+@dataclass(frozen=True)
+class OutputLengths:
+    """Where EOS comes for a request that does not ignore it: `KIND:ARGS` with
+    fixed:N, uniform:LO:HI, exponential:MEAN or lognormal:MEDIAN:SIGMA."""
+
+    kind: str
+    a: float
+    b: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str, field: str = "simulate_output_len") -> OutputLengths:
+        kind, _, rest = str(text).partition(":")
+        args = rest.split(":") if rest else []
+        arity = {"fixed": 1, "uniform": 2, "exponential": 1, "lognormal": 2}
+        if kind not in arity:
+            raise ValueError(f"{field}: unknown distribution {kind!r}; use fixed:N, uniform:LO:HI, "
+                             f"exponential:MEAN or lognormal:MEDIAN:SIGMA")
+        if len(args) != arity[kind]:
+            raise ValueError(f"{field}: {kind} takes {arity[kind]} number(s), got {text!r}")
+        try:
+            values = [float(v) for v in args]
+        except ValueError:
+            raise ValueError(f"{field}: {text!r} has a value that is not a number") from None
+        if any(not math.isfinite(v) or v <= 0 for v in values):
+            raise ValueError(f"{field}: values must be positive and finite, got {text!r}")
+        if kind == "uniform" and values[0] > values[1]:
+            raise ValueError(f"{field}: uniform:LO:HI needs LO <= HI, got {text!r}")
+        return cls(kind, *values)
+
+    def sample(self, u: float) -> int:
+        """The length at quantile u in [0, 1); at least 1."""
+        if self.kind == "fixed":
+            n = self.a
+        elif self.kind == "uniform":
+            n = self.a + u * (self.b - self.a + 1)
+        elif self.kind == "exponential":
+            n = -self.a * math.log1p(-u)
+        else:
+            n = self.a * math.exp(self.b * NormalDist().inv_cdf(min(max(u, 1e-12), 1 - 1e-12)))
+        return max(1, int(n))
+
+    def __str__(self) -> str:
+        args = [self.a] + ([self.b] if self.kind in ("uniform", "lognormal") else [])
+        return self.kind + "".join(f":{v:g}" for v in args)
+
 
 
 @dataclass
@@ -57,8 +107,8 @@ class SimulationConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not 0 < value < 1e7):
                 raise ValueError(f"simulate_{name} must be a positive number, got {value!r}")
-        if self.interconnect is not None and self.interconnect not in INTERCONNECTS:
-            raise ValueError(f"simulate_interconnect must be one of {', '.join(INTERCONNECTS)}, "
+        if self.interconnect is not None and self.interconnect not in INTERCONNECT_NAMES:
+            raise ValueError(f"simulate_interconnect must be one of {', '.join(INTERCONNECT_NAMES)}, "
                              f"got {self.interconnect!r}")
         v = self.load_seconds
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 3600:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from ..metrics.buckets import SERVICE_TIERS
-from ..sim.tokens import OutputLengths
+from ..config.simulation import OutputLengths
 
 MAX_TRACE_TOKENS = 1 << 20  # no single prompt or output in a trace exceeds this
 

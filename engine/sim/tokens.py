@@ -7,10 +7,7 @@ real-time server agree token for token."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from statistics import NormalDist
-
+from ..config.simulation import OutputLengths
 from ..core.outputs import TokenLogprob
 
 _MASK = (1 << 64) - 1
@@ -29,52 +26,6 @@ def mix64(x: int) -> int:
 def uniform(seed: int, salt: int) -> float:
     """A uniform draw in [0, 1) fixed by (seed, salt)."""
     return mix64((seed * 0x100000001B3) ^ salt) / 2.0**64
-
-
-@dataclass(frozen=True)
-class OutputLengths:
-    """Where EOS comes for a request that does not ignore it: `KIND:ARGS` with
-    fixed:N, uniform:LO:HI, exponential:MEAN or lognormal:MEDIAN:SIGMA."""
-
-    kind: str
-    a: float
-    b: float = 0.0
-
-    @classmethod
-    def parse(cls, text: str, field: str = "simulate_output_len") -> OutputLengths:
-        kind, _, rest = str(text).partition(":")
-        args = rest.split(":") if rest else []
-        arity = {"fixed": 1, "uniform": 2, "exponential": 1, "lognormal": 2}
-        if kind not in arity:
-            raise ValueError(f"{field}: unknown distribution {kind!r}; use fixed:N, uniform:LO:HI, "
-                             f"exponential:MEAN or lognormal:MEDIAN:SIGMA")
-        if len(args) != arity[kind]:
-            raise ValueError(f"{field}: {kind} takes {arity[kind]} number(s), got {text!r}")
-        try:
-            values = [float(v) for v in args]
-        except ValueError:
-            raise ValueError(f"{field}: {text!r} has a value that is not a number") from None
-        if any(not math.isfinite(v) or v <= 0 for v in values):
-            raise ValueError(f"{field}: values must be positive and finite, got {text!r}")
-        if kind == "uniform" and values[0] > values[1]:
-            raise ValueError(f"{field}: uniform:LO:HI needs LO <= HI, got {text!r}")
-        return cls(kind, *values)
-
-    def sample(self, u: float) -> int:
-        """The length at quantile u in [0, 1); at least 1."""
-        if self.kind == "fixed":
-            n = self.a
-        elif self.kind == "uniform":
-            n = self.a + u * (self.b - self.a + 1)
-        elif self.kind == "exponential":
-            n = -self.a * math.log1p(-u)
-        else:
-            n = self.a * math.exp(self.b * NormalDist().inv_cdf(min(max(u, 1e-12), 1 - 1e-12)))
-        return max(1, int(n))
-
-    def __str__(self) -> str:
-        args = [self.a] + ([self.b] if self.kind in ("uniform", "lognormal") else [])
-        return self.kind + "".join(f":{v:g}" for v in args)
 
 
 class TokenSource:

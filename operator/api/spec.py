@@ -11,12 +11,7 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-GROUP = "serving.kvpilot.dev"
-VERSION = "v1alpha1"
-KIND = "LLMDeployment"
-PLURAL = "llmdeployments"
-SINGULAR = "llmdeployment"
-SHORT_NAMES = ["llmd"]
+from ..names import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION  # noqa: F401  (the API's names)
 PROJECT_VERSION = "0.1.0"
 DEFAULT_IMAGE = f"kvpilot/engine:{PROJECT_VERSION}"
 

@@ -6,12 +6,10 @@ import asyncio
 import logging
 from collections.abc import Iterable
 
-from ..manifests.objects import HTTP_PORT, INSTANCE_LABEL
-from ..api.spec import GROUP, PLURAL, VERSION
+from ..names import ENGINE_POD_SELECTOR, GROUP, HTTP_PORT, INSTANCE_LABEL, PLURAL, VERSION
 from .table import BackendSnapshot
 
 log = logging.getLogger("kvpilot.gateway")
-ENGINE_POD_SELECTOR = "app.kubernetes.io/name=kvpilot-engine"
 
 
 def _ready(pod: dict) -> bool:
@@ -91,7 +89,7 @@ class KubernetesDiscovery:
     def __init__(self, namespaces: list[str], interval: float) -> None:
         from kubernetes import client
 
-        from ..runtime.kube_config import load_kube_config
+        from ..kube_config import load_kube_config
 
         load_kube_config()
         self.api = client.ApiClient()

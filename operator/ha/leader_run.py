@@ -75,7 +75,7 @@ def run_elected(config: ElectionConfig, run_operator: Callable[[Callable[[], boo
 async def _main(config: ElectionConfig, run_operator: Callable[[Callable[[], bool]], Awaitable[None]],
                 health_host: str, health_port: int) -> int:
     from ..runtime.apply import Kube
-    from ..runtime.kube_config import load_kube_config
+    from ..kube_config import load_kube_config
     from .leader import HoldEnd, KubeLeaseStore, LeaderElector, PassGate
 
     heartbeat = Heartbeat()

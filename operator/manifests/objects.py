@@ -8,13 +8,12 @@ from dataclasses import dataclass
 
 from ..api.spec import GROUP, KIND, VERSION, LLMDeploymentSpec, spec_tokens_bounds
 from ..api.status import Effective
+from ..names import ENGINE_APP_NAME, HTTP_PORT, INSTANCE_LABEL  # noqa: F401  (pods' names)
 
 FIELD_MANAGER = "kvpilot-operator"
-INSTANCE_LABEL = f"{GROUP}/llmdeployment"
 MANAGED_BY = "kvpilot-operator"
 TUNING_FILE = "tuning.json"
 TUNING_DIR = "/etc/kvpilot"
-HTTP_PORT = 8000
 
 
 @dataclass(frozen=True)
@@ -31,7 +30,7 @@ class Owner:
 
 
 def selector_labels(owner: Owner) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "kvpilot-engine", INSTANCE_LABEL: owner.name}
+    return {"app.kubernetes.io/name": ENGINE_APP_NAME, INSTANCE_LABEL: owner.name}
 
 
 def labels(owner: Owner) -> dict[str, str]:

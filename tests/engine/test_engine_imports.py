@@ -11,8 +11,8 @@ ENGINE = Path(__file__).resolve().parents[2] / "engine"
 # What `kvpilot.engine` and its core must import without (the server's, the operator's,
 # the model's and the kernels' dependencies).
 ABSENT = ("fastapi", "uvicorn", "kopf", "kubernetes", "torch", "triton", "transformers")
-CORE = ["llm_engine", "scheduler", "kv_cache_manager", "block_pool", "output_processor",
-        "request", "config", "engine_args", "cli"]
+CORE = ["llm_engine", "core.scheduler", "core.kv_cache_manager", "core.block_pool",
+        "core.output_processor", "core.request", "config.engine", "config.args", "cli"]
 
 
 def _modules() -> dict[str, Path]:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvpilot.engine.sim.tokens import OutputLengths
+from kvpilot.engine.config.simulation import OutputLengths
 from kvpilot.engine.fleet.trace import Phase, TraceRequest, generate, read_trace, write_trace
 
 

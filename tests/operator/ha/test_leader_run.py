@@ -38,7 +38,7 @@ def free_port() -> int:
 def store(monkeypatch):
     s = FakeStore()
     monkeypatch.setattr(leader, "KubeLeaseStore", lambda kube, ns, name: s)
-    monkeypatch.setattr("kvpilot.operator.runtime.kube_config.load_kube_config", lambda: None)
+    monkeypatch.setattr("kvpilot.operator.kube_config.load_kube_config", lambda: None)
     monkeypatch.setattr("kvpilot.operator.runtime.apply.Kube.__init__", lambda self, api_client=None: None)
 
     def exit_(code):

@@ -12,7 +12,7 @@ from test_operator_reconcile import FakeKube, body
 
 from kvpilot.engine.sim.hardware import PRESETS as ENGINE_ACCELERATORS
 from kvpilot.engine.sim.shapes import PRESETS as ENGINE_MODELS
-from kvpilot.engine.sim.tokens import OutputLengths
+from kvpilot.engine.config.simulation import OutputLengths
 from kvpilot.operator.api.crd import build_crd
 from kvpilot.operator.manifests.deployment import HASH_ANNOTATION, build_deployment
 from kvpilot.operator.reconcile import parse_spec, reconcile

@@ -16,6 +16,7 @@ from kvpilot.engine.core.clock import VirtualClock
 from kvpilot.engine.config.args import engine_config_from_args
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.fleet.fleet import Fleet
+from kvpilot.engine.config.simulation import INTERCONNECT_NAMES
 from kvpilot.engine.sim.hardware import INTERCONNECTS
 from kvpilot.engine.fleet.trace import TraceRequest
 from kvpilot.operator.autotune.capacity import ModelShape, kv_cache_bytes, plan_capacity
@@ -162,7 +163,8 @@ def test_crd_carries_the_fields_and_the_rules():
     engine_rules = {r["message"]: r for r in engine["x-kubernetes-validations"]}
     assert engine_rules[PIPELINE_NOT_SIMULATED]["fieldPath"] == ".pipelineParallelSize"
     sim = engine["properties"]["simulate"]["properties"]
-    assert sim["interconnect"]["enum"] == list(INTERCONNECTS) == list(typing.get_args(SimulatedInterconnect))
+    assert (sim["interconnect"]["enum"] == list(INTERCONNECTS) == list(INTERCONNECT_NAMES)
+            == list(typing.get_args(SimulatedInterconnect)))
 
 
 # --- the capacity plan ---------------------------------------------------------------------
