@@ -22,7 +22,7 @@ from kvpilot.engine.fetch.base import human_size
 from .api.conditions import Problem, now_iso
 from .manifests.model_download import INIT_CONTAINER, remote_source
 from .api.spec import LLMDeploymentSpec
-from .api.status import Condition, ModelStatus
+from .api.status import Condition, ModelDownloadStatus
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,8 @@ def hub_token(kube, namespace: str, spec: LLMDeploymentSpec) -> str | None:
     return base64.b64decode(raw).decode().strip() if raw else None
 
 
-def resolve_revision(spec: LLMDeploymentSpec, prev: ModelStatus | None, token: Callable[[], str | None],
-                     now: datetime | None = None) -> ModelStatus | None:
+def resolve_revision(spec: LLMDeploymentSpec, prev: ModelDownloadStatus | None, token: Callable[[], str | None],
+                     now: datetime | None = None) -> ModelDownloadStatus | None:
     """status.model for the spec's source: kept while the source is the one pinned; for a new
     hf:// source, the commit its revision names now (or the failure, retried every
     RETRY_FAILED_S). None for sources that are not downloaded."""
@@ -60,7 +60,7 @@ def resolve_revision(spec: LLMDeploymentSpec, prev: ModelStatus | None, token: C
     endpoint = spec.model.hf.endpoint if spec.model.hf is not None else None
     same = prev is not None and prev.source == src
     if src.startswith("s3://"):
-        return prev if same else ModelStatus(source=src, phase="Pending", progress="Pending")
+        return prev if same else ModelDownloadStatus(source=src, phase="Pending", progress="Pending")
     if same and prev.revision:
         return prev
     if same and prev.phase == "Failed" and prev.checked_at and \
@@ -79,16 +79,16 @@ def resolve_revision(spec: LLMDeploymentSpec, prev: ModelStatus | None, token: C
         return _failed(src, "SourceError", f"{src}: {type(e).__name__}: {e}", checked)
     if not any(f.name == "config.json" for f in listing.files):
         return _failed(src, "FilesMissing", f"{src}: no config.json at commit {listing.key}", checked)
-    return ModelStatus(source=src, revision=listing.key, phase="Pending", progress="Pending",
+    return ModelDownloadStatus(source=src, revision=listing.key, phase="Pending", progress="Pending",
                        bytes_total=listing.total_bytes, files=len(listing.files), checked_at=checked)
 
 
-def _failed(src: str, reason: str, message: str, checked: str) -> ModelStatus:
-    return ModelStatus(source=src, phase="Failed", progress="Failed", reason=_reason(reason),
+def _failed(src: str, reason: str, message: str, checked: str) -> ModelDownloadStatus:
+    return ModelDownloadStatus(source=src, phase="Failed", progress="Failed", reason=_reason(reason),
                        message=message, checked_at=checked)
 
 
-def unresolved(status: ModelStatus | None) -> bool:
+def unresolved(status: ModelDownloadStatus | None) -> bool:
     """An hf:// source without a pinned commit: no pods can run it yet."""
     return status is not None and status.source.startswith("hf://") and not status.revision
 
@@ -149,8 +149,8 @@ def observe_pods(pods: list[dict], read_last_line: LogReader) -> tuple[str, dict
     return "Pending", {}, None
 
 
-def model_progress(status: ModelStatus, pods: list[dict], read_last_line: LogReader
-                   ) -> tuple[ModelStatus, Condition, list[Problem]]:
+def model_progress(status: ModelDownloadStatus, pods: list[dict], read_last_line: LogReader
+                   ) -> tuple[ModelDownloadStatus, Condition, list[Problem]]:
     """status.model, the ModelReady condition and any Problem, from the pods (the revision
     already resolved)."""
     if unresolved(status):

@@ -20,7 +20,7 @@ from .model_status import MODEL_READY, hub_token, model_progress, resolve_revisi
 from .pod_health import pod_problems
 from .manifests.simulate import simulated_summary
 from .api.spec import GROUP, KIND, VERSION, InvalidSpec, LLMDeploymentSpec, validate_spec
-from .api.status import AutotuneStatus, Condition, Effective, LLMDeploymentStatus, ModelStatus
+from .api.status import AutotuneStatus, Condition, Effective, LLMDeploymentStatus, ModelDownloadStatus
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ def new_decision(prev: LLMDeploymentStatus, status: LLMDeploymentStatus) -> bool
 
 
 def apply_owned(kube: Kube, owner: Owner, spec: LLMDeploymentSpec, effective: Effective,
-                before: dict | None, model: ModelStatus | None = None) -> dict | None:
+                before: dict | None, model: ModelDownloadStatus | None = None) -> dict | None:
     """The owned objects for the settings in `effective` and the model revision in `model`
     (both read from status); the Deployment as the API server returned it (`before`: as
     this pass read it, None if absent). An hf:// source not yet resolved to a commit leaves

@@ -36,8 +36,8 @@ class Effective(Model):
                                   "without engine.speculative.")
 
 
-class Decision(Model):
-    """One autotuner decision (kvpilot.operator.autotune.report.DecisionStatus)."""
+class DecisionStatus(Model):
+    """One autotuner decision, as kvpilot.operator.autotune.report writes it."""
     time: Optional[str] = Field(default=None, json_schema_extra={"format": "date-time"})
     diagnosis: Optional[Diagnosis] = None
     action: Optional[str] = Field(default=None, description="change | revert | hold")
@@ -68,7 +68,7 @@ class Capacity(Model):
     weight_bytes: Optional[int] = Field(default=None, description="The pods' model weights (quantized size where quantized).")
 
 
-class Snapshot(Model):
+class SnapshotStatus(Model):
     """The engine signals the last diagnosis read (over autotune.window); open for more."""
     model_config = ConfigDict(extra="allow")
     time: Optional[str] = Field(default=None, json_schema_extra={"format": "date-time"})
@@ -88,6 +88,10 @@ class Snapshot(Model):
     request_len_p99: Optional[float] = None
     prefix_hit_rate: Optional[float] = None
     length_refusals_per_second: Optional[float] = None
+    spec_acceptance_rate: Optional[float] = Field(default=None, description="Accepted draft tokens / drafted, 0..1.")
+    spec_mean_accepted_len: Optional[float] = None
+    spec_drafts_per_second: Optional[float] = None
+    num_speculative_tokens: Optional[float] = None
     missing: list[str] = Field(default_factory=list)
     stale: list[str] = Field(default_factory=list)
 
@@ -103,7 +107,7 @@ class ModelMemory(Model):
                                      description="[unix time, planned replicas], oldest first.")
 
 
-class Advice(Model):
+class AdviceStatus(Model):
     """A setting the autotuner recommends but never applies (it needs a restart)."""
     setting: str = Field(max_length=128, description="The spec field, e.g. engine.kvCacheDtype.")
     value: str = Field(max_length=128)
@@ -112,26 +116,27 @@ class Advice(Model):
 
 
 class AutotuneStatus(Model):
-    """The autotuner's report (kvpilot.operator.autotune.report.AutotuneStatus) plus
-    the operator's own notes (message, recommendation)."""
+    """status.autotune: the autotuner's report (built by kvpilot.operator.autotune.report, the
+    one schema it is written and read back with) plus the operator's own notes (message,
+    recommendation)."""
     diagnosis: Optional[Diagnosis] = Field(
         default=None, description="PreemptionBound, SchedulerBound, KVCacheBound, LengthBound, "
                                   "TPOTBound, HardwareBound, Healthy, Idle or NoData.")
     message: Optional[str] = None
     recommendation: Optional[Effective] = Field(default=None, description="What Recommend mode would apply.")
-    last_decision: Optional[Decision] = None
-    history: list[Decision] = Field(default_factory=list, max_length=100)
+    last_decision: Optional[DecisionStatus] = None
+    history: list[DecisionStatus] = Field(default_factory=list, max_length=100)
     recent_diagnoses: list[Diagnosis] = Field(default_factory=list, max_length=100)
     capacity: Optional[Capacity] = None
-    snapshot: Optional[Snapshot] = None
+    snapshot: Optional[SnapshotStatus] = None
     model: Optional[ModelMemory] = None
-    advice: list[Advice] = Field(default_factory=list, max_length=8, description=(
+    advice: list[AdviceStatus] = Field(default_factory=list, max_length=8, description=(
         "Settings that need a restart, so the autotuner recommends them and never applies them "
         "(e.g. engine.kvCacheDtype fp8 while the KV cache's size binds)."))
 
 
-class ModelStatus(Model):
-    """A downloaded model (spec.model.source hf:// or s3://): the pinned revision and the
+class ModelDownloadStatus(Model):
+    """status.model: a downloaded model (spec.model.source hf:// or s3://): the pinned revision and the
     download as the pods' init containers report it."""
     source: Optional[str] = Field(default=None, max_length=1024)
     revision: Optional[str] = Field(default=None, max_length=255,
@@ -164,7 +169,7 @@ class LLMDeploymentStatus(Model):
         description="ACCELERATOR/MODEL (or ACCELERATOR/configmap:NAME) when the pods run on a "
                     "simulated accelerator (spec.engine.simulate); absent otherwise.")
     autotune: Optional[AutotuneStatus] = None
-    model: Optional[ModelStatus] = None
+    model: Optional[ModelDownloadStatus] = None
 
     def condition(self, type_: str) -> Optional[Condition]:
         return next((c for c in self.conditions if c.type == type_), None)

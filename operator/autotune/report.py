@@ -1,5 +1,5 @@
-"""What the operator writes under `status.autotune`, as pydantic models with the API's
-camelCase keys, and one row of the live demo table.
+"""What the operator writes under `status.autotune`, built in the API's own models
+(kvpilot.operator.api.status, the one schema of that block), and one row of the live demo table.
 
     report = build_report(decision, history, snapshot, capacity)
     patch["status"]["autotune"] = report.dump()
@@ -10,11 +10,8 @@ operator restart (the status is the only place it lives)."""
 from __future__ import annotations
 
 import datetime as _dt
-from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
-
+from ..api.status import AdviceStatus, AutotuneStatus, DecisionStatus, ModelMemory, SnapshotStatus
 from .advice import Advice
 from .capacity import CapacityPlan
 from .decision import Action, Decision, Diagnosis
@@ -25,76 +22,6 @@ from .signals import Snapshot
 _CAMEL = {"max_num_seqs": "maxNumSeqs", "max_model_len": "maxModelLen", "replicas": "replicas",
           "num_speculative_tokens": "numSpeculativeTokens"}
 _SNAKE = {v: k for k, v in _CAMEL.items()}
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
-
-    def dump(self) -> dict:
-        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
-
-
-class DecisionStatus(_Model):
-    time: str  # RFC 3339, UTC
-    diagnosis: str
-    action: str  # change | revert | hold
-    change: dict[str, list[int]] = Field(default_factory=dict)  # {"maxNumSeqs": [64, 24]}
-    reason: str
-    applied: Optional[bool] = None
-    target: Optional[str] = None
-    baseline: Optional[float] = None
-    throughput_baseline: Optional[float] = None  # output tokens/s the change must not lose
-    verified: Optional[bool] = None
-
-
-class SnapshotStatus(_Model):
-    time: str
-    window_seconds: float
-    kv_usage_mean: Optional[float] = None
-    kv_usage_max: Optional[float] = None
-    preemptions_per_second: Optional[float] = None
-    queue_time_p95_seconds: Optional[float] = None
-    ttft_p95_seconds: Optional[float] = None
-    tpot_p95_seconds: Optional[float] = None
-    generation_tokens_per_second: Optional[float] = None
-    num_waiting: Optional[float] = None
-    num_running: Optional[float] = None
-    running_min: Optional[float] = None
-    request_rate_per_second: Optional[float] = None
-    request_latency_mean_seconds: Optional[float] = None
-    request_len_p99: Optional[float] = None
-    prefix_hit_rate: Optional[float] = None
-    length_refusals_per_second: Optional[float] = None
-    spec_acceptance_rate: Optional[float] = None
-    spec_mean_accepted_len: Optional[float] = None
-    spec_drafts_per_second: Optional[float] = None
-    num_speculative_tokens: Optional[float] = None
-    missing: list[str] = Field(default_factory=list)
-    stale: list[str] = Field(default_factory=list)
-
-
-class AdviceStatus(_Model):
-    setting: str  # the spec field, e.g. "engine.kvCacheDtype"
-    value: str
-    reason: str
-    since: str  # RFC 3339: the first interval that gave this advice (of the current run of them)
-
-
-class ModelStatus(_Model):
-    fit: Optional[str] = None
-    observations: list[list[float]] = Field(default_factory=list)
-    plans: list[list[float]] = Field(default_factory=list)
-
-
-class AutotuneStatus(_Model):
-    diagnosis: str
-    last_decision: DecisionStatus
-    history: list[DecisionStatus] = Field(default_factory=list)  # changes and reverts, newest last
-    recent_diagnoses: list[str] = Field(default_factory=list)  # one per interval, newest last
-    capacity: Optional[dict] = None
-    snapshot: Optional[SnapshotStatus] = None
-    model: Optional[ModelStatus] = None  # autotune.controller Model: its memory between passes
-    advice: list[AdviceStatus] = Field(default_factory=list)  # restart-only settings, never applied
 
 
 def rfc3339(t: float) -> str:
@@ -162,9 +89,9 @@ def advice_status(advice: list[Advice], before: list[AdviceStatus], now: float) 
                          since=since.get((a.setting, a.value)) or rfc3339(now)) for a in advice]
 
 
-def _model_status(history: History, now: float) -> ModelStatus:
+def _model_status(history: History, now: float) -> ModelMemory:
     model = fit(history, now)
-    return ModelStatus(
+    return ModelMemory(
         fit=str(model) if model else None,
         observations=[[o.time, round(o.running, 3), round(o.prompt_tokens_per_s, 1), round(o.tpot_s, 6)]
                       for o in history.observations],
@@ -180,6 +107,8 @@ def history_from_status(status: dict | None, limit: int = 20) -> History:
     report = AutotuneStatus.model_validate(status)
     entries = []
     for item in report.history:
+        if item.time is None or item.diagnosis is None or item.action is None:
+            continue  # not written by the autotuner (the schema leaves them optional)
         d = Decision(
             time=_parse_time(item.time), diagnosis=Diagnosis(item.diagnosis), action=Action(item.action),
             reason=item.reason, change={_SNAKE[k]: (v[0], v[1]) for k, v in item.change.items()},
@@ -187,7 +116,8 @@ def history_from_status(status: dict | None, limit: int = 20) -> History:
         )
         entries.append(HistoryEntry(d, applied=bool(item.applied),
                                     checked=item.verified is not None, verified=item.verified))
-    end = _parse_time(report.last_decision.time)
+    last = report.last_decision
+    end = _parse_time(last.time) if last is not None and last.time is not None else 0.0
     n = len(report.recent_diagnoses)
     diagnoses = tuple((end - (n - 1 - i), Diagnosis(d)) for i, d in enumerate(report.recent_diagnoses))
     observations, plans = (), ()

@@ -18,7 +18,7 @@ from kvpilot.operator.manifests.objects import Owner
 from kvpilot.operator.pod_health import pod_problems
 from kvpilot.operator.reconcile import parse_spec, reconcile
 from kvpilot.operator.api.spec import InvalidSpec
-from kvpilot.operator.api.status import ModelStatus
+from kvpilot.operator.api.status import ModelDownloadStatus
 from test_operator_reconcile import FakeKube, body, kinds
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -119,7 +119,7 @@ def progress_line(done, total, phase="Downloading"):
 
 
 def test_progress_failure_and_readiness_come_from_the_init_containers():
-    status = ModelStatus(source="hf://org/tiny", revision=COMMIT, phase="Pending", bytes_total=2**30)
+    status = ModelDownloadStatus(source="hf://org/tiny", revision=COMMIT, phase="Pending", bytes_total=2**30)
     logs = {"a": progress_line(2**29, 2**30), "b": progress_line(2**28, 2**30)}
     pods = [init_pod("a", {"running": {}}), init_pod("b", {"running": {}})]
     new, cond, problems = model_progress(status, pods, lambda pod, c: logs[pod])

@@ -6,7 +6,7 @@ import pytest
 from kvpilot.operator.api.conditions import Problem, Rollout, compute_conditions
 from kvpilot.operator.reconcile import AutotuneOutcome, parse_spec, reconcile
 from kvpilot.operator.api.spec import InvalidSpec
-from kvpilot.operator.api.status import AutotuneStatus, Condition, Effective, Snapshot
+from kvpilot.operator.api.status import AutotuneStatus, Condition, Effective, SnapshotStatus
 
 
 class FakeKube:
@@ -112,7 +112,7 @@ def test_autotune_hook_auto_mode_moves_configmap_not_spec():
 
     def hook(ctx):
         seen.append(ctx)
-        return AutotuneOutcome(AutotuneStatus(diagnosis="PreemptionBound", snapshot=Snapshot(kv_usage_mean=0.93)),
+        return AutotuneOutcome(AutotuneStatus(diagnosis="PreemptionBound", snapshot=SnapshotStatus(kv_usage_mean=0.93)),
                                Effective(max_num_seqs=24))
 
     spec = {"model": {"source": "builtin:tiny"}, "engine": {"maxNumSeqs": 64},
