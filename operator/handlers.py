@@ -20,7 +20,8 @@ from .runtime.apply import Conflict, Kube
 from .kube_config import load_kube_config
 from .manifests.objects import INSTANCE_LABEL, MANAGED_BY
 from .deployment_metrics import DeploymentMetrics
-from .reconcile import load_autotune_hook, load_pass_hook_factory, parse_spec, reconcile, write_invalid
+from .autotune.hook import autotune_step, autotune_step_for_pass
+from .reconcile import parse_spec, reconcile, write_invalid
 from .runtime.resync import DEFAULT_MAX_CONCURRENT, ResyncPool
 from .api.spec import GROUP, KIND, PLURAL, VERSION, InvalidSpec
 from .api.status import LLMDeploymentStatus
@@ -46,7 +47,7 @@ def _lock(ns: str, name: str) -> threading.Lock:
 def _kube() -> Kube:
     if "kube" not in _state:
         _state["kube"] = Kube(_api_client(), AppliedCache())
-        _state["hook"] = load_autotune_hook()
+        _state["hook"] = autotune_step
         _state["deployment_metrics"] = DeploymentMetrics()
     return _state["kube"]
 
@@ -218,7 +219,6 @@ async def _resync_loop(pool: ResyncPool) -> None:
     cadence and run in `pool` (bounded, concurrent, off the event loop); a pass
     does not wait for the previous one's stragglers, which the pool skips."""
     running: set[asyncio.Task] = set()
-    make_pass_hook = load_pass_hook_factory()
     next_start = time.monotonic() + RESYNC_SECONDS
     while True:
         await asyncio.sleep(max(0.0, next_start - time.monotonic()))
@@ -233,7 +233,7 @@ async def _resync_loop(pool: ResyncPool) -> None:
             continue
         # One autotune hook per pass: every due deployment's Snapshot is cut from one
         # grouped set of Prometheus queries per URL instead of one set each.
-        hook = make_pass_hook() if make_pass_hook is not None else None
+        hook = autotune_step_for_pass()
         task = asyncio.get_running_loop().create_task(pool.run_pass(bodies, hook))
         running.add(task)
         task.add_done_callback(running.discard)

@@ -3,10 +3,9 @@ check the spec, look for missing prerequisites and failing pods, let the autotun
 (if any) propose settings, write the status, and apply the owned objects from it."""
 from __future__ import annotations
 
-import importlib
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable
 
 from pydantic import ValidationError
 
@@ -21,62 +20,12 @@ from .pod_health import pod_problems
 from .manifests.simulate import simulated_summary
 from .api.spec import GROUP, KIND, VERSION, InvalidSpec, LLMDeploymentSpec, validate_spec
 from .api.status import AutotuneStatus, Condition, Effective, LLMDeploymentStatus, ModelDownloadStatus
+from .autotune.context import AutotuneContext, AutotuneOutcome
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class AutotuneContext:
-    """What the autotuner's hook is given on each pass (mode Recommend or Auto)."""
-    owner: Owner
-    spec: LLMDeploymentSpec
-    status: LLMDeploymentStatus  # the previous status (effective, autotune report, conditions)
-    effective: Effective  # the settings running now
-    kube: Optional[Kube] = None  # for the scale subresource, HPA lookup and Events
-
-
-@dataclass
-class AutotuneOutcome:
-    """The hook's answer: its report (an AutotuneStatus, or the camelCase dict of
-    autotune.report.build_report(...).dump()), and the settings it wants (Auto
-    mode applies them within the spec's bounds; Recommend only reports them)."""
-    report: AutotuneStatus | dict
-    proposed: Optional[Effective] = None
-    # The autotuner's own conditions (e.g. PrefixCacheIneffective); None keeps the previous ones.
-    conditions: Optional[list[Condition]] = None
-    # Telling the world about an applied change (its Event, the decision counter): run only
-    # once the status that records the change is written, so that an operator killed in
-    # between leaves no Event for a change that status (the autotuner's memory) does not
-    # hold, and the next leader's repeat of that decision is announced once, not twice.
-    announce: Optional[Callable[[], None]] = None
-
-    def status(self) -> AutotuneStatus:
-        r = self.report
-        return r if isinstance(r, AutotuneStatus) else AutotuneStatus.model_validate(r)
-
-
 AutotuneHook = Callable[[AutotuneContext], AutotuneOutcome]
-AUTOTUNE_HOOK = ("kvpilot.operator.autotune.hook", "autotune_step")
-# A factory of hooks for one resync pass (sharing one Prometheus read among its deployments).
-PASS_HOOK_FACTORY = ("kvpilot.operator.autotune.hook", "autotune_step_for_pass")
-
-
-def load_autotune_hook() -> AutotuneHook | None:
-    """The autotuner plugs in as `kvpilot.operator.autotune.hook.autotune_step`."""
-    return _load(AUTOTUNE_HOOK)
-
-
-def load_pass_hook_factory() -> Callable[[], AutotuneHook] | None:
-    """`kvpilot.operator.autotune.hook.autotune_step_for_pass`: a fresh hook per resync pass."""
-    return _load(PASS_HOOK_FACTORY)
-
-
-def _load(where: tuple[str, str]):
-    module, attr = where
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError):
-        return None
 
 
 @dataclass

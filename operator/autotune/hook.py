@@ -40,7 +40,7 @@ from typing import Any, Callable, Protocol
 
 from ..runtime import metrics
 from ..manifests.objects import INSTANCE_LABEL
-from ..reconcile import AutotuneContext, AutotuneOutcome
+from .context import AutotuneContext, AutotuneOutcome
 from ..api.spec import GROUP, KIND, VERSION, LLMDeploymentSpec, spec_tokens_bounds
 from ..api.status import AutotuneStatus, Condition, Effective
 from .advice import restart_advice

@@ -156,7 +156,7 @@ def test_the_resync_loop_reconciles_the_fleet_concurrently_with_one_hook_per_pas
     fleet = [{**body({}), "metadata": {"name": f"d{i}", "namespace": "demo"}} for i in range(12)]
     kube.list_llmdeployments = lambda ns=None: fleet
     hooks = iter(range(100))
-    monkeypatch.setattr(handlers, "load_pass_hook_factory", lambda: lambda: f"hook-{next(hooks)}")
+    monkeypatch.setattr(handlers, "autotune_step_for_pass", lambda: f"hook-{next(hooks)}")
     monkeypatch.setattr(handlers, "RESYNC_SECONDS", 0.05)
     barrier = threading.Barrier(4, timeout=10)  # passes only when 4 reconciles run at once
     seen: list[tuple[str, str]] = []

@@ -13,7 +13,8 @@ from kvpilot.operator.autotune.hook import SERIES_LABEL, autotune_step, parse_du
 from kvpilot.operator.autotune.report import rfc3339
 from kvpilot.operator.autotune.signals import PodSettings, Snapshot
 from kvpilot.operator.manifests.objects import Owner
-from kvpilot.operator.reconcile import AutotuneContext, parse_spec, reconcile
+from kvpilot.operator.autotune.context import AutotuneContext
+from kvpilot.operator.reconcile import parse_spec, reconcile
 from kvpilot.operator.api.status import Effective, LLMDeploymentStatus
 
 T0 = 1_800_000_000.0

@@ -10,7 +10,8 @@ import json
 from kvpilot.operator.autotune.hook import autotune_step
 from kvpilot.operator.autotune.signals import PodSettings, Snapshot
 from kvpilot.operator.manifests.objects import Owner
-from kvpilot.operator.reconcile import AutotuneContext, parse_spec, reconcile
+from kvpilot.operator.autotune.context import AutotuneContext
+from kvpilot.operator.reconcile import parse_spec, reconcile
 from kvpilot.operator.api.status import Effective, LLMDeploymentStatus
 from test_autotune_hook import FakeKube as HookFakeKube
 
