@@ -22,7 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from localcluster import LocalCluster, wait_for as _wait_for  # noqa: E402
-from localcluster.build import (ensure_binaries, ensure_image, ensure_keda,  # noqa: E402
+from localcluster.build import (ensure_binaries, ensure_images, ensure_keda,  # noqa: E402
                                 ensure_node_binaries, ensure_prometheus)
 
 
@@ -37,7 +37,7 @@ def pytest_collection_finish(session):
         ensure_binaries()
         ensure_node_binaries()
         ensure_prometheus()
-        ensure_image()  # kvpilot's own image: every pod runs from it
+        ensure_images()  # kvpilot's own images: every pod runs from one of them
         if any(Path(str(i.path)).name == "test_keda.py" for i in session.items):
             ensure_keda()  # KEDA's first build is long too; only when its test runs
 

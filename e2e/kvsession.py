@@ -27,7 +27,7 @@ from kvpilot.engine.bench.serve import stream_completion
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from localcluster import LocalCluster, wait_for  # noqa: E402
-from localcluster.build import ensure_image  # noqa: E402
+from localcluster.build import ensure_images  # noqa: E402
 from localcluster.cluster import ClusterError  # noqa: E402
 from background import AsyncWorker  # noqa: E402
 from timeline import Change, Sample  # noqa: E402
@@ -75,7 +75,7 @@ def open_cluster(workdir: Path) -> tuple[LocalCluster, bool]:
         c = LocalCluster.attach(workdir)
         if c.running() and c.state.get("running"):
             log(f"reusing the local cluster in {workdir} (importing this checkout's image if it changed)")
-            c.import_images([ensure_image()])
+            c.import_images(ensure_images())
             return c, False
     log(f"starting a local cluster in {workdir} (the first run on a machine builds Kubernetes, "
         "containerd, CoreDNS, Prometheus and kvpilot's image: progress below)")

@@ -1,8 +1,10 @@
-"""The kvpilot/engine image runs as the operator runs it: uid 65532, read-only root
-filesystem, no capabilities, writable only at /tmp (a tmpfs) and /var/cache/kvpilot.
+"""kvpilot's two images run as the operator runs them: uid 65532, read-only root filesystem,
+no capabilities, writable only at /tmp (a tmpfs) and /var/cache/kvpilot. kvpilot/operator
+(the operator, the gateway, simulated engine pods) holds no torch and stays under 300 MB;
+kvpilot/engine also runs the real engine.
 
-The image is built by e2e/image/build.sh (what `make image` runs; minutes the first time,
-instant when nothing changed), unpacked from its OCI archive with umoci, and run with runc
+The images are built by e2e/image/build.sh (what `make image` runs; minutes the first time,
+instant when nothing changed), unpacked from their OCI archives with umoci, and run with runc
 directly, with a config.json written here so each setting is deliberate. The container
 shares the host's network namespace (the test then reaches the engine at 127.0.0.1 with no
 network plugin); everything else is isolated.
@@ -51,6 +53,7 @@ class Container:
     """Runs commands from one unpacked image with runc, hardened as the operator's pods are.
     `image_config` is what umoci derived from the image (entrypoint, env, user, cwd)."""
 
+    target: str  # operator | engine
     rootfs: Path
     image_config: dict
     work: Path  # per-run bundles, runc's state, the cache volume
@@ -133,27 +136,32 @@ class Container:
         return self.image_config["process"]["args"][:1]
 
 
+TARGETS = ("operator", "engine")
+MAX_OPERATOR_IMAGE_MB = 300
+
+
 @pytest.fixture(scope="session")
-def image_archive(request) -> Path:
-    """The OCI archive of the current tree (built or reused by build.sh); its progress is
+def image_archives(request) -> dict[str, Path]:
+    """The OCI archives of the current tree (built or reused by build.sh); its progress is
     shown live since the first build takes minutes."""
     capman = request.config.pluginmanager.getplugin("capturemanager")
     with capman.global_and_fixture_disabled():
-        print(f"\n{BUILD.relative_to(ROOT)}: building or reusing the image", flush=True)
-        out = subprocess.run([str(BUILD)], stdout=subprocess.PIPE, text=True, check=True)
-    return Path(out.stdout.strip().splitlines()[-1])
+        print(f"\n{BUILD.relative_to(ROOT)}: building or reusing the images", flush=True)
+        out = subprocess.run([str(BUILD), *TARGETS], stdout=subprocess.PIPE, text=True, check=True)
+    return dict(zip(TARGETS, (Path(line) for line in out.stdout.strip().splitlines()[-2:])))
 
 
-@pytest.fixture(scope="session")
-def container(image_archive: Path, tmp_path_factory) -> Iterator[Container]:
-    """Unpacks the archive (the OCI layout, then umoci's runtime bundle) once per session."""
-    work = tmp_path_factory.mktemp("image")
+@pytest.fixture(scope="session", params=TARGETS)
+def container(request, image_archives: dict[str, Path], tmp_path_factory) -> Iterator[Container]:
+    """Unpacks one image's archive (the OCI layout, then umoci's runtime bundle) once per session."""
+    target = request.param
+    work = tmp_path_factory.mktemp(f"image-{target}")
     layout = work / "layout"
-    with tarfile.open(image_archive) as tar:
+    with tarfile.open(image_archives[target]) as tar:
         tar.extractall(layout, filter="fully_trusted")
     index = json.loads((layout / "index.json").read_text())
     ref = index["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"]
-    assert ref == f"docker.io/kvpilot/engine:{_version()}", "the name containerd will import"
+    assert ref == f"docker.io/kvpilot/{target}:{_version()}", "the name containerd will import"
     # umoci names images by tag within a layout; a full reference is not a valid tag for it.
     (layout / "index.json").write_text(json.dumps({**index, "manifests": [
         {**index["manifests"][0], "annotations": {"org.opencontainers.image.ref.name": "test"}}]}))
@@ -161,7 +169,7 @@ def container(image_archive: Path, tmp_path_factory) -> Iterator[Container]:
                    check=True, capture_output=True)
     shutil.rmtree(layout)  # the rootfs holds the same bytes again: free them at once
     image_config = json.loads((work / "bundle" / "config.json").read_text())
-    c = Container(rootfs=work / "bundle" / "rootfs", image_config=image_config, work=work)
+    c = Container(target=target, rootfs=work / "bundle" / "rootfs", image_config=image_config, work=work)
     c.cache_volume.mkdir()
     os.chown(c.cache_volume, UID, UID)  # fsGroup gives the pod's user the emptyDir
     yield c
@@ -180,7 +188,7 @@ def test_the_image_runs_as_65532_from_its_own_settings(container: Container):
 
 
 def test_help_and_version(container: Container):
-    for sub in ("serve", "operator"):
+    for sub in ("serve", "operator", "gateway"):
         out = container.run(sub, "--help")
         assert out.returncode == 0, out.stderr
         assert out.stdout.startswith(f"usage: kvpilot {sub}"), out.stdout
@@ -244,8 +252,11 @@ def _complete(port: int, model: str) -> dict:
 
 @pytest.mark.parametrize("engine", ["simulated", "tiny-cpu"])
 def test_the_engine_serves_from_the_read_only_image(container: Container, engine: str):
-    """The simulated H100 (what simulated pods run) and the real engine on the CPU with the
-    built-in tiny model, which it writes under KVPILOT_CACHE_DIR (the only place it can)."""
+    """The simulated H100 (what simulated pods run, from either image) and, from the engine
+    image, the real engine on the CPU with the built-in tiny model, which it writes under
+    KVPILOT_CACHE_DIR (the only place it can)."""
+    if engine == "tiny-cpu" and container.target == "operator":
+        pytest.skip("the operator image has no torch: the real engine runs from kvpilot/engine")
     port = _free_port()
     if engine == "simulated":
         model, args = "llama-3.1-8b", ["--simulate", "h100-80gb", "--simulate-model", "llama-3.1-8b",
@@ -265,3 +276,15 @@ def test_the_engine_serves_from_the_read_only_image(container: Container, engine
         assert out["choices"][0]["text"] is not None
     if engine == "tiny-cpu":
         assert (container.cache_volume / "models" / "builtin-tiny-v1" / "config.json").is_file()
+
+
+def test_the_operator_image_is_small_and_holds_no_torch(container: Container):
+    if container.target != "operator":
+        pytest.skip("the engine image carries torch by design")
+    out = subprocess.run(["du", "-sm", str(container.rootfs)], capture_output=True, text=True, check=True)
+    size_mb = int(out.stdout.split()[0])
+    print(f"kvpilot/operator unpacked: {size_mb} MB")
+    assert size_mb <= MAX_OPERATOR_IMAGE_MB, f"kvpilot/operator is {size_mb} MB unpacked"
+    out = container.run("-c", "import importlib.util as u; print([m for m in ('torch', 'triton') if u.find_spec(m)])",
+                        entrypoint=[PYTHON])
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr)

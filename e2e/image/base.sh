@@ -5,7 +5,9 @@
 # covers this file (suite, mirrors, packages, options): the image is made once and reused
 # until this file changes. Prints the image's name as the last line of stdout.
 #
-# Usage: e2e/image/base.sh   (root; run by e2e/image/build.sh with BUILDAH set)
+# Usage: e2e/image/base.sh [full|slim]   (root; run by e2e/image/build.sh with BUILDAH set)
+#   full  the engine image's base (a C compiler for Triton), the default
+#   slim  the operator image's base: the interpreter and CA certificates only
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/lib.sh"
@@ -21,7 +23,12 @@ MIRRORS=(
 # Hugging Face, Kubernetes, Prometheus), and gcc + libc6-dev + python3-dev because Triton
 # compiles its small C launcher stubs with the system compiler against Python.h the first
 # time a kernel runs on a GPU.
-PACKAGES=python3,python3-venv,ca-certificates,gcc,libc6-dev,python3-dev
+variant=${1:-full}
+case $variant in
+    full) PACKAGES=python3,python3-venv,ca-certificates,gcc,libc6-dev,python3-dev ;;
+    slim) PACKAGES=python3,python3-venv,ca-certificates ;;
+    *) log "unknown base variant $variant (full or slim)"; exit 1 ;;
+esac
 # Documentation, man pages and translations are never read in a container (as Debian's
 # own "slim" images do); copyright files stay.
 DPKG_OPTS=(
@@ -33,8 +40,8 @@ DPKG_OPTS=(
     --dpkgopt='path-include=/usr/share/locale/locale.alias'
 )
 
-hash=$(sha256sum "${BASH_SOURCE[0]}" | cut -c1-12)
-image=localhost/kvpilot/base:$SUITE-$hash
+hash=$( (sha256sum "${BASH_SOURCE[0]}"; echo "$variant") | sha256sum | cut -c1-12)
+image=localhost/kvpilot/base:$SUITE-$variant-$hash
 buildah=${BUILDAH:-buildah}
 
 if $buildah inspect --type image "$image" >/dev/null 2>&1; then
@@ -69,7 +76,7 @@ $buildah config \
 $buildah commit --quiet --rm "$ctr" "$image" >/dev/null
 ctr=""
 # Older bases are no longer referenced by anything this script makes.
-$buildah images --format '{{.Name}}:{{.Tag}}' | grep '^localhost/kvpilot/base:' \
+$buildah images --format '{{.Name}}:{{.Tag}}' | grep "^localhost/kvpilot/base:$SUITE-$variant-" \
     | grep -vx "$image" | xargs -r $buildah rmi >/dev/null 2>&1 || true
 log "base image $image made"
 echo "$image"

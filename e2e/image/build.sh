@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
-# `make image`: builds kvpilot/engine:<version> from the repository's Containerfile on this
-# machine, without Docker or a registry, and writes it as an OCI archive that containerd
-# imports (`ctr -n k8s.io images import FILE` names it docker.io/kvpilot/engine:<version>).
+# `make image`: builds kvpilot/operator:<version> and kvpilot/engine:<version> (the
+# Containerfile's two targets) on this machine, without Docker or a registry, and writes each
+# as an OCI archive that containerd imports (`ctr -n k8s.io images import FILE` names it
+# docker.io/kvpilot/<target>:<version>).
+#
+# Usage: e2e/image/build.sh [operator] [engine]   (default: both, operator first)
 #
 #   base    Debian bookworm from Debian's packages (e2e/image/base.sh, mmdebstrap), passed
-#           as --build-arg BASE: nothing is pulled from a container registry
+#           as --build-arg BASE (with a C compiler, for the engine's Triton) and SLIM_BASE
+#           (without): nothing is pulled from a container registry
 #   build   buildah bud with cached layers; pip reaches PyPI over the host's network and
 #           trusts the host's CA bundle (secret "pip-cert"); wheels stay in buildah's cache
 #           mount (/var/tmp/buildah-cache) for the next build
-#   archive ${KVPILOT_CACHE_DIR:-~/.cache/kvpilot}/images/kvpilot-engine-<version>-<hash>.oci.tar,
+#   archive ${KVPILOT_CACHE_DIR:-~/.cache/kvpilot}/images/kvpilot-<target>-<version>-<hash>.oci.tar,
 #           the hash covering every input (Containerfile, the files it copies, the base,
 #           these scripts): an unchanged tree reuses the archive at once
 #
-# Progress goes to stderr (timestamped); the archive's path is the last line of stdout.
+# Progress goes to stderr (timestamped); stdout has one line per target asked for, its
+# archive's path, in the order asked.
 # Builds on one machine take turns (a lock), so concurrent callers share one build.
 # Settings (environment): KVPILOT_IMAGE_COMPRESSION=gzip|zstd (default gzip, see below),
-# KVPILOT_IMAGE_KEEP=N archives kept (default 1: each is ~3.3 GB), KVPILOT_BUILDAH_DRIVER=overlay|vfs
+# KVPILOT_IMAGE_KEEP=N archives kept per target (default 1: the engine's is ~3.3 GB), KVPILOT_BUILDAH_DRIVER=overlay|vfs
 # (default: overlay when the kernel allows it), KVPILOT_IMAGE_MIN_FREE_GIB (default 30: below
 # it, earlier builds' images and archives are removed before building; see make_room).
 set -euo pipefail
@@ -27,25 +32,29 @@ set -euo pipefail
 # zstd is ~10% smaller and no slower, for containerd-only use.
 COMPRESSIONS=(gzip zstd)
 
+TARGETS=(operator engine)
+
 main() {
-    local here repo cache keep compression version name ref
+    local here repo cache keep compression version targets=("$@") target
     here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
     repo=$(cd "$here/../.." && pwd)
     source "$here/lib.sh"
     cache=${KVPILOT_CACHE_DIR:-$HOME/.cache/kvpilot}/images
     keep=${KVPILOT_IMAGE_KEEP:-1}
     compression=${KVPILOT_IMAGE_COMPRESSION:-gzip}
+    ((${#targets[@]})) || targets=("${TARGETS[@]}")
+    for target in "${targets[@]}"; do
+        [[ " ${TARGETS[*]} " == *" $target "* ]] || { log "unknown target $target: expected ${TARGETS[*]}"; exit 1; }
+    done
     [[ " ${COMPRESSIONS[*]} " == *" $compression "* ]] \
         || { log "KVPILOT_IMAGE_COMPRESSION=$compression: expected one of ${COMPRESSIONS[*]}"; exit 1; }
     version=$(sed -n 's/^version = "\(.*\)"$/\1/p' "$repo/pyproject.toml" | head -n1)
-    name=kvpilot/engine:$version
-    ref=docker.io/$name # the name containerd (and so the kubelet) will know it by
     [[ $(id -u) == 0 ]] || { log "needs root (buildah, mmdebstrap)"; exit 1; }
 
     mkdir -p "$cache"
-    exec 9>"$cache/kvpilot-engine.lock"
+    exec 9>"$cache/kvpilot-image.lock"
     if ! flock -n 9; then
-        log "another build of $name is running: waiting for it"
+        log "another build of kvpilot's images is running: waiting for it"
         flock 9
     fi
 
@@ -55,30 +64,41 @@ main() {
     # lock no other build of ours is running, and nothing else here uses buildah's storage.
     $BUILDAH rm --all >/dev/null 2>&1 || true
 
-    local base base_id hash archive
-    base=$("$here/base.sh" | tail -n1)
-    base_id=$($BUILDAH inspect --type image --format '{{.FromImageID}}' "$base")
-    hash=$(inputs "$repo" "$here" "base $base_id compression $compression" | sha256sum | cut -c1-12)
-    archive=$cache/kvpilot-engine-$version-$hash.oci.tar
+    local base slim bases
+    base=$("$here/base.sh" full | tail -n1)
+    slim=$("$here/base.sh" slim | tail -n1)
+    bases="base $($BUILDAH inspect --type image --format '{{.FromImageID}}' "$base")"
+    bases="$bases slim $($BUILDAH inspect --type image --format '{{.FromImageID}}' "$slim")"
+    for target in "${targets[@]}"; do
+        build_target "$target"
+    done
+}
+
+# Builds one target (unless its archive for these inputs exists) and prints the archive.
+build_target() {
+    local target=$1 name ref hash archive start cert secret=()
+    name=kvpilot/$target:$version
+    ref=docker.io/$name # the name containerd (and so the kubelet) will know it by
+    hash=$(inputs "$repo" "$here" "target $target $bases compression $compression" | sha256sum | cut -c1-12)
+    archive=$cache/kvpilot-$target-$version-$hash.oci.tar
     if [[ -s $archive ]]; then
         log "up to date: $archive"
         echo "$archive"
         return
     fi
 
-    local start cert secret=()
     buildlog=$(mktemp "${TMPDIR:-/tmp}/kvpilot-image-build.XXXXXX")
     trap 'rm -f "$buildlog"' EXIT
     # A certificate bundle for pip: the host's, which may hold a proxy's CA.
     cert=${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}
     [[ -s $cert ]] && secret=(--secret "id=pip-cert,src=$cert")
     make_room "$cache" "$version"
-    log "building $name (inputs $hash, base $base, storage $driver); the first build takes minutes"
+    log "building $name (inputs $hash, storage $driver); the first build takes minutes"
     start=$SECONDS
-    $BUILDAH bud --layers --pull=never -f "$repo/Containerfile" \
-        --build-arg "BASE=$base" "${secret[@]}" \
+    $BUILDAH bud --layers --pull=never -f "$repo/Containerfile" --target "$target" \
+        --build-arg "BASE=$base" --build-arg "SLIM_BASE=$slim" "${secret[@]}" \
         --label "org.opencontainers.image.version=$version" \
-        --label "org.opencontainers.image.title=kvpilot" \
+        --label "org.opencontainers.image.title=kvpilot-$target" \
         --label "dev.kvpilot.image.inputs=$hash" \
         -t "localhost/$name" "$repo" 2>&1 | tee "$buildlog" | ts_stderr
     log "built in $((SECONDS - start))s"
@@ -91,9 +111,10 @@ main() {
     $BUILDAH push --quiet --format oci --compression-format "$compression" "localhost/$name" \
         "oci-archive:$archive.partial:$ref" 2>&1 | ts_stderr
     mv "$archive.partial" "$archive"
-    log "archive written in $((SECONDS - start))s: $(du -h "$archive" | cut -f1) ($compression)"
+    log "archive written in $((SECONDS - start))s: $(du -h "$archive" | cut -f1) ($compression);" \
+        "unpacked $($BUILDAH inspect --type image --format '{{.Size}}' "localhost/$name" 2>/dev/null | numfmt --to=si 2>/dev/null || echo '?')B"
 
-    prune "$cache" "$keep" "$buildlog"
+    prune "$cache" "$target" "$keep" "$buildlog"
     echo "$archive"
 }
 
@@ -107,8 +128,8 @@ make_room() {
     free=$(free_gib "$cache")
     [[ -n $free ]] && ((free < MIN_FREE_GIB)) || return 0
     log "only ${free} GiB free (a build may need ${MIN_FREE_GIB}): removing earlier builds' images and archives"
-    rm -f "$cache"/kvpilot-engine-*.oci.tar
-    $BUILDAH rmi --force "localhost/kvpilot/engine:$version" >/dev/null 2>&1 || true
+    rm -f "$cache"/kvpilot-*.oci.tar
+    $BUILDAH rmi --force "localhost/kvpilot/engine:$version" "localhost/kvpilot/operator:$version" >/dev/null 2>&1 || true
     $BUILDAH rmi --prune >/dev/null 2>&1 || true  # the dangling layers of earlier builds
     free=$(free_gib "$cache")
     log "now ${free} GiB free"
@@ -156,7 +177,7 @@ inputs() {
     (
         cd "$repo"
         {
-            printf '%s\n' Containerfile .dockerignore pyproject.toml README.md
+            printf '%s\n' Containerfile .dockerignore pyproject.toml
             find engine kernels operator -type f ! -path '*/__pycache__/*' ! -name '*.pyc'
             # Relative paths: the hash must not depend on where the clone is.
             find "${here#"$repo"/}" -maxdepth 1 -type f -name '*.sh'
@@ -165,13 +186,16 @@ inputs() {
     echo "$3"
 }
 
-# Older archives beyond the newest $2, and the cached layers of earlier builds: buildah
-# prints each step's image ("--> Using cache ID" or "--> ID"); untagged images this build
-# did not print are left from older inputs and would only fill the disk.
+# Older archives of this target beyond the newest $3, and the cached layers of earlier builds:
+# buildah prints each step's image ("--> Using cache ID" or "--> ID"); each target's list is
+# kept beside its archive, and untagged images that no target's last build printed are left
+# from older inputs and would only fill the disk.
 prune() {
-    local cache=$1 keep=$2 buildlog=$3 used id stale=()
-    ls -1t "$cache"/kvpilot-engine-*.oci.tar 2>/dev/null | tail -n +$((keep + 1)) | xargs -r rm -f --
-    used=$(grep -oE -- '^--> (Using cache )?[0-9a-f]{10,64}' "$buildlog" | grep -oE '[0-9a-f]{10,64}$' || true)
+    local cache=$1 target=$2 keep=$3 buildlog=$4 used id stale=()
+    ls -1t "$cache"/kvpilot-"$target"-*.oci.tar 2>/dev/null | tail -n +$((keep + 1)) | xargs -r rm -f --
+    grep -oE -- '^--> (Using cache )?[0-9a-f]{10,64}' "$buildlog" | grep -oE '[0-9a-f]{10,64}$' \
+        > "$cache/kvpilot-$target.layers" || true
+    used=$(cat "$cache"/kvpilot-*.layers 2>/dev/null || true)
     for id in $($BUILDAH images --all --no-trunc --filter dangling=true --format '{{.ID}}'); do
         id=${id#sha256:}
         grep -q "^${id:0:10}" <<<"$used" || stale+=("$id")

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from .build import ensure_binaries, ensure_image, ensure_keda, ensure_node_binaries, ensure_prometheus
+from .build import ensure_binaries, ensure_images, ensure_keda, ensure_node_binaries, ensure_prometheus
 from .cluster import ClusterError, LocalCluster
 from .paths import REPO_ROOT
 
@@ -21,7 +21,7 @@ def main() -> int:
     if args.command == "build":
         t = time.monotonic()
         print(ensure_binaries(), *ensure_node_binaries().values(), ensure_prometheus(), ensure_keda(),
-              ensure_image()[1], f"({time.monotonic() - t:.0f}s)")
+              *(path for _, path in ensure_images()), f"({time.monotonic() - t:.0f}s)")
         return 0
     state = args.dir / "state.json"
     if args.command == "up":

@@ -61,14 +61,17 @@ def ensure_keda() -> Path:
     return _ensure("keda", ("operator", "adapter"))
 
 
-KVPILOT_IMAGE = f"docker.io/kvpilot/engine:{PROJECT_VERSION}"
+KVPILOT_IMAGE = f"docker.io/kvpilot/engine:{PROJECT_VERSION}"  # the real engine (torch)
+KVPILOT_OPERATOR_IMAGE = f"docker.io/kvpilot/operator:{PROJECT_VERSION}"  # operator, gateway, simulated pods
 
 
-def ensure_image() -> tuple[str, Path]:
-    """kvpilot's own image (`make image`, e2e/image/build.sh) as (name, OCI archive):
-    built on the first run and after any change to what goes into it."""
-    r = subprocess.run([str(E2E_DIR / "image" / "build.sh")], stdout=subprocess.PIPE, stderr=None,
-                       text=True)
+def ensure_images() -> list[tuple[str, Path]]:
+    """kvpilot's own images (`make image`, e2e/image/build.sh) as (name, OCI archive), the
+    operator's and the engine's: built on the first run and after any change to what goes
+    into them."""
+    r = subprocess.run([str(E2E_DIR / "image" / "build.sh"), "operator", "engine"],
+                       stdout=subprocess.PIPE, stderr=None, text=True)
     if r.returncode != 0:
-        raise RuntimeError("building kvpilot's image failed (see the output above)")
-    return KVPILOT_IMAGE, Path(r.stdout.strip().splitlines()[-1])
+        raise RuntimeError("building kvpilot's images failed (see the output above)")
+    operator, engine = r.stdout.strip().splitlines()[-2:]
+    return [(KVPILOT_OPERATOR_IMAGE, Path(operator)), (KVPILOT_IMAGE, Path(engine))]

@@ -27,7 +27,7 @@ import yaml
 
 from . import cgroups, prometheus
 from .addons import build_coredns
-from .build import ensure_binaries, ensure_image, ensure_node_binaries, ensure_prometheus, version_of
+from .build import ensure_binaries, ensure_images, ensure_node_binaries, ensure_prometheus, version_of
 from .certs import Pki, make_pki
 from .controlplane import Ports, apiserver_argv, controller_manager_argv, etcd_argv, scheduler_argv
 from .kube import Credentials, Kube
@@ -147,7 +147,7 @@ class LocalCluster:
         # Built (first run) or checked before anything starts.
         self._node_bins = ensure_node_binaries()
         if self.images is None:
-            self.images = [ensure_image()]
+            self.images = ensure_images()
         self.state = {"cluster_id": uuid.uuid4().hex[:12], "bin_dir": str(bin_dir),
                       "version": K8S_VERSION, "workdir": str(self.workdir), "started": time.time()}
         try:

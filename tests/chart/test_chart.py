@@ -56,7 +56,7 @@ def test_default_render(helm):
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["command"][0] == "kvpilot" and "operator" in c["command"]
-    assert c["image"] == "kvpilot/engine:0.1.0"
+    assert c["image"] == "kvpilot/operator:0.1.0"
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     sc = c["securityContext"]
     assert sc["runAsNonRoot"] and not sc["allowPrivilegeEscalation"] and sc["readOnlyRootFilesystem"]

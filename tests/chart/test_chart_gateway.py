@@ -66,7 +66,7 @@ def test_default_gateway_deployment(helm):  # noqa: F811
     assert not any(k.startswith("checksum/") for k in template["metadata"].get("annotations", {}))  # no tenants
     c = container(docs)
     (operator,) = named(docs, "Deployment", "kvpilot")
-    assert c["image"] == operator["spec"]["template"]["spec"]["containers"][0]["image"] == "kvpilot/engine:0.1.0"
+    assert c["image"] == operator["spec"]["template"]["spec"]["containers"][0]["image"] == "kvpilot/operator:0.1.0"
     assert c["command"] == ["kvpilot", "--log-level", "INFO", "gateway"]
     assert c["args"] == ["--port=8000", "--routing=prefix", "--load-factor=1.25", "--per-replica-concurrency=256",
                          "--queue-timeout=60", "--scale-from-zero-timeout=300", "--retries=2", "--refresh-interval=1", "--scrape-interval=1",
