@@ -79,10 +79,10 @@ class FakeEngine:
 
 
 @contextlib.asynccontextmanager
-async def serving(app, port: int):
+async def serving(app, port: int, http="auto"):
     """Serve an ASGI app on 127.0.0.1:port in this event loop until the block ends."""
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical",
-                                           lifespan="off"))
+                                           lifespan="off", http=http))
     task = asyncio.create_task(server.serve())
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 10
