@@ -40,6 +40,7 @@ def edge_protocol(header_timeout: float, max_header_bytes: int, max_headers: int
         _awaiting = True  # a request's headers are not complete yet
         _head_bytes = 0
         _count = 0
+        _size = 0
         _refusal: bytes | None = None
 
         def connection_made(self, transport) -> None:
@@ -60,17 +61,29 @@ def edge_protocol(header_timeout: float, max_header_bytes: int, max_headers: int
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._awaiting, self._count = True, 0
+            self._awaiting, self._count, self._size = True, 0, 0
             if self._timer is None:
                 self._arm()
+
+        def on_url(self, url: bytes) -> None:
+            self._grow(len(url))
+            super().on_url(url)
 
         def on_header(self, name: bytes, value: bytes) -> None:
             self._count += 1
             if self._count > max_headers:
-                self._refusal = _raw_error(431, b"Request Header Fields Too Large",
-                                           f"more than {max_headers} request headers (--max-headers)")
-                raise ValueError("too many headers")  # the parser stops; uvicorn calls send_400_response
+                self._stop(f"more than {max_headers} request headers (--max-headers)")
+            self._grow(len(name) + len(value) + 4)
             super().on_header(name, value)
+
+        def _grow(self, size: int) -> None:
+            self._size += size
+            if self._size > max_header_bytes:
+                self._stop(f"the request line and headers exceed {max_header_bytes} bytes (--max-header-bytes)")
+
+        def _stop(self, message: str) -> None:
+            self._refusal = _raw_error(431, b"Request Header Fields Too Large", message)
+            raise ValueError(message)  # the parser stops; uvicorn calls send_400_response
 
         def on_headers_complete(self) -> None:
             self._awaiting, self._head_bytes = False, 0
