@@ -45,6 +45,10 @@ def read_key(path: str, flag: str) -> str:
 def _cmd_gateway(args: argparse.Namespace) -> int:
     settings = dataclass_from_args(GatewaySettings, args, prefix="", backend=args.backend,
                                    namespace=args.namespace)
+    if not settings.backend:  # discovery needs the API: say so now, in one line
+        from ..kube_config import load_kube_config
+
+        load_kube_config()
     # uvloop where installed (uvicorn[standard] brings it): the proxy's per-chunk path is
     # mostly event-loop work (socket reads and writes, futures), which uvloop does in C.
     try:
