@@ -9,6 +9,7 @@ import sys
 
 from .config.args import add_engine_args, engine_config_from_args
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 COMMANDS_GROUP = "kvpilot.commands"  # entry points: add_parser(subparsers) of more commands
 # make-tiny-model --train-FIELD flags: TrainConfig fields a user may set (unset: its default).
 _TRAIN_FLAGS = {"steps": int, "batch_size": int, "seq_len": int, "lr": float}
@@ -78,7 +79,7 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpilot", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -140,16 +141,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The deepest subcommand's parser the arguments chose (`kvpilot bench serve`'s, say)."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, subs[0].dest, None) if subs else None
+        if chosen not in (subs[0].choices if subs else {}):
+            return parser
+        parser = subs[0].choices[chosen]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Like parse_args, but an unknown flag is reported with the usage of the subcommand
+    it was given to (argparse reports it with the top-level usage, which does not list
+    the subcommand's flags)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    """Errors are a line on stderr and a non-zero exit, never a traceback: 2 for a wrong
+    invocation (argparse's, or a ValueError naming the flag), 1 for anything else (its
+    traceback with --log-level DEBUG), 130 for Ctrl-C."""
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
     except ValueError as exc:
         print(f"kvpilot: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("kvpilot: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 (a command's failure is one line; DEBUG shows where)
+        logging.getLogger("kvpilot").debug("%s failed", args.command, exc_info=True)
+        detail = str(exc).splitlines()[0] if str(exc) else ""
+        print(f"kvpilot: error: {type(exc).__name__}{': ' + detail if detail else ''}"
+              f"{'' if args.log_level == 'DEBUG' else ' (--log-level DEBUG shows the traceback)'}",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

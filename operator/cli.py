@@ -58,6 +58,9 @@ def _cmd_crd(args: argparse.Namespace) -> int:
 
 
 def _cmd_operator(args: argparse.Namespace) -> int:
+    from .kube_config import load_kube_config
+
+    load_kube_config()  # no API to reach: one line and exit 2 now, not a traceback every minute
     os.environ["KVPILOT_RESYNC_SECONDS"] = str(args.resync_interval)
     os.environ["KVPILOT_MAX_CONCURRENT_RECONCILES"] = str(args.max_concurrent_reconciles)
     os.environ["KVPILOT_WATCH_NAMESPACES"] = ",".join(args.namespace or [])

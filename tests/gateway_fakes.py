@@ -18,13 +18,15 @@ def free_port() -> int:
 
 class FakeEngine:
     """mode: ok | draining (503) | die_mid_stream | hold (streams one chunk, then waits for
-    `release`). Records every request body it receives."""
+    `release`) | wedged (reads the request, then answers nothing until `release`). Records
+    every request body it receives, and each request's Authorization header."""
 
     def __init__(self, name: str, mode: str = "ok", chunks: int = 3) -> None:
         self.name = name
         self.mode = mode
         self.chunks = chunks
         self.bodies: list[dict] = []
+        self.auth: list[str | None] = []
         self.release = asyncio.Event()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -44,6 +46,9 @@ class FakeEngine:
                 break
         payload = json.loads(body)
         self.bodies.append(payload)
+        self.auth.append(dict(scope["headers"]).get(b"authorization", b"").decode() or None)
+        if self.mode == "wedged":
+            await self.release.wait()
         if self.mode == "draining":
             await self._send(send, 503, json.dumps({"error": {"message": "draining"}}).encode(),
                              b"application/json", [(b"retry-after", b"1")])
@@ -79,10 +84,10 @@ class FakeEngine:
 
 
 @contextlib.asynccontextmanager
-async def serving(app, port: int):
+async def serving(app, port: int, http="auto"):
     """Serve an ASGI app on 127.0.0.1:port in this event loop until the block ends."""
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical",
-                                           lifespan="off"))
+                                           lifespan="off", http=http))
     task = asyncio.create_task(server.serve())
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 10

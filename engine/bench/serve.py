@@ -166,8 +166,14 @@ async def _arrivals(n: int, rate: float, burstiness: float, rng: random.Random):
 
 
 async def served_models(client, api_key: str | None) -> dict[str, dict]:
-    """GET /v1/models: each served model's entry by id."""
-    resp = await client.get("/v1/models", headers=auth_headers(api_key))
+    """GET /v1/models: each served model's entry by id. A server that cannot be reached
+    is a ValueError naming its URL (a command-line error, not a traceback)."""
+    import httpx
+
+    try:
+        resp = await client.get("/v1/models", headers=auth_headers(api_key))
+    except httpx.TransportError as e:
+        raise ValueError(f"--base-url: cannot reach {client.base_url}: {type(e).__name__}: {e}") from None
     if resp.status_code != 200:
         raise RuntimeError(f"GET /v1/models failed: HTTP {resp.status_code}: {resp.text[:200]}")
     return {m["id"]: m for m in resp.json().get("data", [])}

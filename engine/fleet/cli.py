@@ -47,9 +47,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .fleet import Fleet
     from .report import print_sim_result, summarize
 
-    config = engine_config_from_args(args)
+    if args.scenario and getattr(args, "simulate_accelerator", None) is None:
+        # A scenario names its accelerator, model and starting settings; flags given override them.
+        from dataclasses import fields
+
+        from .scenarios import scenario
+
+        given = {f.name: getattr(args, f.name) for f in fields(scenario(args.scenario).engine_config())
+                 if f.name != "simulate" and getattr(args, f.name, None) is not None}
+        config = scenario(args.scenario).engine_config(**given)
+    else:
+        config = engine_config_from_args(args)
     if config.simulate is None:
-        raise ValueError("kvpilot sim run needs --simulate ACCELERATOR (and --simulate-model)")
+        raise ValueError("kvpilot sim run needs --simulate ACCELERATOR (and --simulate-model), or --scenario NAME")
     goodput = parse_goodput(args.goodput)
     fleet = Fleet(config, replicas=args.replicas, router=args.router,
                   scrape_interval=args.scrape_interval, max_concurrency=args.max_concurrency)

@@ -87,11 +87,11 @@ class Scenario:
         return list(generate(list(self.phases), seed=self.seed, max_len=131072))
 
     def engine_config(self, **overrides) -> EngineConfig:
-        settings = dict(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+        settings = dict(model=None, dtype="bfloat16", simulate=SimulationConfig(self.accelerator, self.model),
+                        max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                         max_num_batched_tokens=self.max_num_batched_tokens)
         settings.update(overrides)
-        return EngineConfig(model=None, dtype="bfloat16",
-                            simulate=SimulationConfig(self.accelerator, self.model), **settings)
+        return EngineConfig(**settings)
 
     def scaled(self, time_factor: float) -> Scenario:
         """The same traffic with every phase `time_factor` as long (rates unchanged): the

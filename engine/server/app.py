@@ -39,6 +39,38 @@ def kvpilot_version() -> str:
 PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
 
 
+# Methods that keep their name; any other (a client may send kilobytes of letters) is
+# seen as OTHER, so the HTTP metrics' `method` label has a fixed set of values.
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT"})
+
+
+class MethodMiddleware:
+    """Outermost, pure ASGI: a request with both Content-Length and Transfer-Encoding is
+    refused (RFC 9112 6.3: two framings may be request smuggling) and its connection
+    closed, before the API key is looked at, so nothing after it on that connection is
+    read as another request; an unknown method becomes OTHER (answered 405 or 404 as
+    before, counted under one label value); HEAD is served as GET, whose body the HTTP
+    server drops (it reads the method from its own scope), so every GET route answers
+    HEAD, /health included."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            names = {name for name, _ in scope.get("headers") or ()}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                await send_error(send, APIError(400, "the request has both Content-Length and "
+                                                     "Transfer-Encoding"), [(b"connection", b"close")])
+                return
+            method = scope["method"]
+            if method == "HEAD":
+                scope = {**scope, "method": "GET"}
+            elif method not in HTTP_METHODS:
+                scope = {**scope, "method": "OTHER"}
+        await self.app(scope, receive, send)
+
+
 class EdgeMiddleware:
     """Pure ASGI (streams and disconnect detection pass through untouched): checks the API
     key on PROTECTED_PREFIXES before anything else (the body is not read for a bad key),
@@ -105,8 +137,12 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, tuning_file: str | 
     app.add_middleware(EdgeMiddleware, api_key=settings.api_key)
     # vLLM's HTTP metrics (http_requests_total, http_request_duration_seconds, ...), from the
     # same library and with the same exclusions as vLLM's server; outermost, so refusals count.
+    # Its labels are bounded: paths without a route are grouped as "none", status codes by
+    # class, and MethodMiddleware (added after, so outside it) names unknown methods OTHER.
     Instrumentator(excluded_handlers=["/metrics", "/health", "/load", "/ping", "/version", "/server_info"],
-                   registry=engine.metrics.registry).instrument(app)
+                   registry=engine.metrics.registry, should_group_untemplated=True,
+                   should_group_status_codes=True).instrument(app)
+    app.add_middleware(MethodMiddleware)
     install_openapi(app, api_key=settings.api_key is not None)
 
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))

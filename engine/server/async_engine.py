@@ -41,7 +41,10 @@ class AsyncEngine:
         self._live: dict[str, RequestTrack] = {}  # engine thread only
         self._streams: dict[str, RequestStream] = {}  # event loop only
         self._pending_adds = 0  # event loop only
-        self.num_waiting = 0  # published by the engine thread
+        # (waiting in the engine at its last publish, adds it took since): written whole by
+        # the engine thread only, so the event loop never reads one half without the other
+        # and a request taken after a publish is counted until the next one shows it.
+        self._waiting = (0, 0)
 
     # --- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -110,9 +113,18 @@ class AsyncEngine:
         return len(self._streams)
 
     @property
+    def num_waiting(self) -> int:
+        """Waiting requests at the engine's last publish (the gauge's value)."""
+        return self._waiting[0]
+
+    @property
     def queue_length(self) -> int:
-        """Waiting sequences in the engine plus adds not yet handed to it."""
-        return self.num_waiting + self._pending_adds
+        """Waiting sequences in the engine, plus adds it took since it last published (a
+        step can run for a while between the two: without them, a burst arriving then was
+        admitted past the cap), plus adds not yet handed to it. A request the engine took
+        may be counted twice for a moment, never zero times."""
+        published, since = self._waiting
+        return published + since + self._pending_adds
 
     def unique_request_id(self, wanted: str | None) -> str:
         if not wanted:
@@ -222,7 +234,7 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         stats = self.engine.stats()
-        self.num_waiting = stats.num_waiting
+        self._waiting = (stats.num_waiting, 0)
         self.metrics.record_stats(stats)
 
     def _post(self, batch: list[Snapshot]) -> None:
@@ -239,6 +251,8 @@ class AsyncEngine:
             fut.set_exception(exc)
             return
         self._live[rid] = RequestTrack(len(prompt_ids), params.n, params.logprobs is not None)
+        published, since = self._waiting
+        self._waiting = (published, since + params.n)
         fut.set_result(None)
 
     def _do_abort(self, rid: str) -> None:

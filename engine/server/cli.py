@@ -35,7 +35,72 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+MODEL_FORMS = "a model directory, file:///PATH, hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX or builtin:tiny"
+
+
+def check_before_loading(args: argparse.Namespace) -> None:
+    """What can be wrong with `kvpilot serve`'s invocation, found in milliseconds, before
+    torch and the weights load (seconds to minutes): a missing --model, a local model path
+    that is not a model, a port another process holds. ValueError naming the flag."""
+    import socket
+
+    from ..loader.source import resolve_model
+
+    model = getattr(args, "model", None)
+    simulated = any(v is not None for k, v in vars(args).items() if k.startswith("simulate_"))
+    if not model and not simulated:
+        raise ValueError(f"--model is required: {MODEL_FORMS}")
+    if model and not model.startswith(("builtin:", "hf://", "s3://")):
+        try:
+            resolve_model(model)  # a local directory: checked, nothing loaded
+        except ValueError as e:
+            raise ValueError(f"--model: {e}") from None
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    try:
+        infos = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {args.host!r}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ValueError(f"--port {args.port}: cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+
+
+def _heartbeat(started: float, what: list[str]):
+    """Log what start-up is doing every 5 s until the returned event is set."""
+    import threading
+    import time
+
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(5.0):
+            log.info("still starting: %s (%.0f s)", what[0], time.monotonic() - started)
+    threading.Thread(target=beat, name="kvpilot-startup-log", daemon=True).start()
+    return done
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    import time
+
+    started = time.monotonic()
+    check_before_loading(args)
+    what = ["importing the engine (torch)"]
+    log.info("kvpilot serve: %s", what[0])
+    done = _heartbeat(started, what)
+    try:
+        return _serve(args, what, done, started)
+    finally:
+        done.set()
+
+
+def _serve(args: argparse.Namespace, what: list[str], done, started: float) -> int:
+    import time
+
     from ..config.args import engine_config_from_args
     from ..config.flags import dataclass_from_args
     from ..llm_engine import LLMEngine
@@ -52,7 +117,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"drain_timeout must be non-negative, got {args.drain_timeout}")
     limits = dataclass_from_args(ServerLimits, args, "")
     config = engine_config_from_args(args)
+    what[0] = f"loading {config.model} and sizing its KV cache"
+    log.info("kvpilot serve: %s", what[0])
     engine = LLMEngine(config)
+    done.set()
     name = config.model_name
     metrics = ServerMetrics(name, engine.max_model_len_ceiling)
     if config.simulate is not None:
@@ -71,8 +139,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         recorder.install()
     async_engine = AsyncEngine(engine, metrics)
     app = build_app(async_engine, settings, tuning_file=args.tuning_file)
-    log.info("serving %s on http://%s:%d (max_num_seqs=%d, max_model_len=%d)", name, args.host,
-             args.port, engine.max_num_seqs, engine.max_model_len)
+    log.info("serving %s on http://%s:%d (max_num_seqs=%d, max_model_len=%d; started in %.1f s)", name,
+             args.host, args.port, engine.max_num_seqs, engine.max_model_len, time.monotonic() - started)
     code = run_server(app, app.state.kvpilot, args.host, args.port,
                       access_log=not args.disable_uvicorn_access_log,
                       log_level=logging.getLevelName(logging.getLogger().level).lower())

@@ -15,12 +15,14 @@ from kvpilot.engine.server.errors import APIError, send_error
 
 from .admission import AdmissionQueue
 from .config import GatewaySettings
-from .forward import (REQUEST_HEADERS, Attempt, SSEUsage, UpstreamFailed, Usage, inject_usage_request,
+from .edge import check_framing, check_text, metrics_allowed, read_body
+from .forward import (REQUEST_HEADERS, Attempt, SSEUsage, Upstream, UpstreamFailed, Usage, inject_usage_request,
                       open_upstream)
 from .metrics import GatewayMetrics
 from .prefix import prefix_key
-from .ratelimit import TenantLimits
-from .relay import ClientGone, relay
+from .ratelimit import TenantLimits, reservation
+from .relay import ClientGone, relay, until_gone
+from .replicas import Replica
 from .table import Backend, RoutingTable
 from .tenants import Tenant, Tenants
 
@@ -32,8 +34,10 @@ WAKE_RETRY_S = 10.0  # at most one scale-from-zero write per deployment this oft
 class Gateway:
     def __init__(self, settings: GatewaySettings, table: RoutingTable, tenants: Tenants,
                  session: aiohttp.ClientSession, metrics: GatewayMetrics | None = None, clock=time.monotonic,
-                 waker=None) -> None:
+                 waker=None, engine_key: str | None = None, metrics_key: str | None = None) -> None:
         self.settings = settings
+        self.engine_key = engine_key  # the engines' --api-key, sent to replicas; never a tenant's
+        self.metrics_key = metrics_key
         self.table = table
         self.tenants = tenants
         self.session = session  # the proxy's client to the replicas (forward.upstream_session)
@@ -53,29 +57,35 @@ class Gateway:
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
-        started = False
+        started = finished = False
+        method = "GET" if method == "HEAD" else method  # the server sends a HEAD answer's headers alone
 
         async def tracked_send(message) -> None:
-            nonlocal started
+            nonlocal started, finished
             started = started or message["type"] == "http.response.start"
+            finished = finished or (message["type"] == "http.response.body" and not message.get("more_body"))
             await send(message)
         try:
+            check_framing(scope)
             if path in ROUTES:
                 if method != "POST":
-                    raise APIError(405, f"{path} takes POST, not {method}")
-                await self._proxy(scope, receive, tracked_send, path)
+                    raise APIError(405, f"{path} takes POST, not {_shown(method)}")
+                await self._proxy(scope, receive, tracked_send, path, lambda: finished)
             elif path == "/v1/models" and method == "GET":
                 await self._models(scope, tracked_send)
-            elif path == "/health" and method in ("GET", "HEAD"):
+            elif path == "/health" and method == "GET":
                 await _send_bytes(send, 200, b"", "text/plain")
             elif path == "/metrics" and method == "GET":
+                metrics_allowed(self.settings.metrics_access, self.tenants.open, self.metrics_key,
+                                _header(scope, b"authorization"))
                 self._refresh_gauges()
                 await _send_bytes(send, 200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST)
             else:
-                raise APIError(404, f"no route {method} {path}")
+                raise APIError(404, f"no route {_shown(method)} {_shown(path)}")
         except APIError as err:
             if not started:
-                await send_error(send, err)
+                extra = [(b"connection", b"close")] if err.status in (400, 408, 413) else []
+                await send_error(send, err, extra)
         except ClientGone:
             pass
         except Exception:  # noqa: BLE001 (a bug here fails this request alone, never with a traceback)
@@ -111,11 +121,12 @@ class Gateway:
         await _send_bytes(send, 200, json.dumps({"object": "list", "data": data}).encode(), "application/json")
 
     # ---- the proxied request ----
-    async def _proxy(self, scope, receive, send, path: str) -> None:
+    async def _proxy(self, scope, receive, send, path: str, finished) -> None:
         started = self.clock()
         tenant = self._tenant(scope)
-        body = await self._read_body(receive)
+        body = await read_body(receive, self.settings.max_body_bytes, self.settings.body_read_timeout)
         payload = _json_object(body)
+        check_text(body, payload)
         model = payload.get("model")
         if not isinstance(model, str) or not model:
             raise APIError(400, "`model` is required: a string naming a served model", param="model")
@@ -126,8 +137,8 @@ class Gateway:
                            param="model", code="model_not_found")
         code = 500
         try:
-            code = await self._admit_and_forward(scope, receive, send, path, body, payload, tenant, backend,
-                                                 started)
+            code = await until_gone(receive, self._admit_and_forward(scope, send, path, body, payload, tenant,
+                                                                     backend, started), finished)
         except APIError as err:
             code = err.status
             raise
@@ -138,10 +149,11 @@ class Gateway:
             self.metrics.requests.labels(model, tenant.name, str(code)).inc()
             self.metrics.duration.labels(model).observe(self.clock() - started)
 
-    async def _admit_and_forward(self, scope, receive, send, path, body, payload, tenant, backend: Backend,
+    async def _admit_and_forward(self, scope, send, path, body, payload, tenant, backend: Backend,
                                  started: float) -> int:
         limits = self.limits.get(tenant.name)
-        refused = limits.admit(self.clock()) if limits else None
+        reserved = reservation(payload, limits.tokens.limit) if limits_tokens(limits) else 0
+        refused = limits.admit(self.clock(), reserved) if limits else None
         if refused is not None:
             which, retry_after = refused
             self.metrics.rate_limited.labels(tenant.name, which).inc()
@@ -150,11 +162,16 @@ class Gateway:
                            f"{retry_after} s", type="rate_limit_error", code="rate_limit_exceeded")
             await send_error(send, err, [(b"retry-after", str(retry_after).encode())])
             return 429
-        await self._acquire(backend, tenant)
+        usage = Usage()
+        sse = SSEUsage(usage, False, count=limits_tokens(limits))
         try:
-            return await self._forward(scope, receive, send, path, body, payload, tenant, backend, started)
+            await self._acquire(backend, tenant)
+            try:
+                return await self._forward(scope, send, path, body, payload, tenant, backend, started, usage, sse)
+            finally:
+                backend.queue.release()
         finally:
-            backend.queue.release()
+            self._account(tenant, backend.model, usage, sse, reserved)
 
     async def _acquire(self, backend: Backend, tenant: Tenant) -> None:
         queue: AdmissionQueue = backend.queue
@@ -211,37 +228,46 @@ class Gateway:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _forward(self, scope, receive, send, path, body, payload, tenant, backend: Backend,
-                       started: float) -> int:
+    async def _forward(self, scope, send, path, body, payload, tenant, backend: Backend, started: float,
+                       usage: Usage, sse: SSEUsage) -> int:
+        now = self.clock()
         route = backend.picker.pick(list(backend.replicas.values()), prefix_key(payload, self.settings.prefix_chars))
         if route is None:
             raise APIError(503, f"model `{backend.model}` has no ready replica")
         self.metrics.routing.labels(backend.model, route.reason).inc()
+        # Ejected replicas go last: tried only when every other one failed this request.
+        order = tuple(sorted(route.order, key=lambda r: r.ejected(now)))
         stream = payload.get("stream") is True
-        strip_usage = False
         if stream and limits_tokens(self.limits.get(tenant.name)):
-            strip_usage = inject_usage_request(payload)
-            if strip_usage:
+            sse.strip = inject_usage_request(payload)
+            if sse.strip:
                 body = json.dumps(payload).encode()
         headers = {k: v for k in REQUEST_HEADERS if (v := _header(scope, k.encode())) is not None}
+        if self.engine_key:
+            headers["authorization"] = f"Bearer {self.engine_key}"
         attempt = Attempt()
+        timeout = self.settings.first_byte_timeout if stream else self.settings.response_timeout
         try:
-            upstream = await open_upstream(self.session, route.order, path, body, headers,
-                                           self.settings.retries + 1, attempt)
+            upstream = await open_upstream(Upstream(self.session, self.settings.retries + 1, timeout,
+                                                    lambda r, cause: self._eject(backend, r, cause)),
+                                           order, path, body, headers, attempt)
         except UpstreamFailed as e:
-            raise APIError(e.status, f"model `{backend.model}`: {e}",
-                           type="server_error", code="upstream_unavailable") from None
+            code = "upstream_timeout" if e.status == 504 else "upstream_unavailable"
+            raise APIError(e.status, f"model `{backend.model}`: {e}", type="server_error", code=code) from None
         finally:
             for cause in attempt.retries:
                 self.metrics.retries.labels(backend.model, cause).inc()
         replica = attempt.replica
-        usage = Usage()
         try:
-            code = await relay(upstream, receive, send, stream, SSEUsage(usage, strip_usage), usage, replica.name)
+            code, failure = await relay(upstream, send, stream, sse, usage, replica.name,
+                                        self.settings.stream_idle_timeout)
         finally:
             replica.in_flight -= 1
             upstream.release()  # to the pool once read to the end; closed if not (the engine aborts)
-        self._account(tenant, backend.model, usage)
+        if failure is None:
+            replica.succeed()
+        else:
+            self._eject(backend, replica, "stream_timeout" if code == 504 else "stream_failed")
         log.info("%s tenant=%s model=%s replica=%s status=%d retries=%d prompt_tokens=%d "
                  "completion_tokens=%d seconds=%.3f%s", path, tenant.name, backend.model, replica.name, code,
                  len(attempt.retries), usage.prompt_tokens, usage.completion_tokens, self.clock() - started,
@@ -249,29 +275,25 @@ class Gateway:
                  if self.settings.log_prompts else "")
         return code
 
-    def _account(self, tenant: Tenant, model: str, usage: Usage) -> None:
+    def _eject(self, backend: Backend, replica: Replica, cause: str) -> None:
+        backoff = replica.fail(self.clock(), self.settings.eject_seconds, self.settings.eject_max_seconds)
+        self.metrics.ejections.labels(backend.model, cause).inc()
+        log.warning("replica %s of %s ejected for %g s (%s, %d in a row)", replica.name, backend.model, backoff,
+                    cause, replica.failures)
+
+    def _account(self, tenant: Tenant, model: str, usage: Usage, sse: SSEUsage, reserved: int) -> None:
+        """Charge what the request cost: the engine's `usage` where it came; else (a stream
+        cut by the client or the replica) an upper bound of the tokens passed on, at most
+        the reservation unless more was seen."""
         total = usage.prompt_tokens + usage.completion_tokens
-        if not total:
-            return
-        self.metrics.tokens.labels(tenant.name, model, "prompt").inc(usage.prompt_tokens)
-        self.metrics.tokens.labels(tenant.name, model, "completion").inc(usage.completion_tokens)
+        if total:
+            self.metrics.tokens.labels(tenant.name, model, "prompt").inc(usage.prompt_tokens)
+            self.metrics.tokens.labels(tenant.name, model, "completion").inc(usage.completion_tokens)
+        elif sse.streamed:
+            total = min(sse.streamed, reserved) if reserved else sse.streamed
         limits = self.limits.get(tenant.name)
         if limits is not None:
-            limits.charge_tokens(self.clock(), total)
-
-    async def _read_body(self, receive) -> bytes:
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone()
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.settings.max_body_bytes:
-                raise APIError(413, f"request body is larger than {self.settings.max_body_bytes} bytes")
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                return b"".join(chunks)
+            limits.settle(self.clock(), reserved, total)
 
 
 def limits_tokens(limits: TenantLimits | None) -> bool:
@@ -286,6 +308,11 @@ def _json_object(body: bytes) -> dict:
     if not isinstance(payload, dict):
         raise APIError(400, "the request body must be a JSON object")
     return payload
+
+
+def _shown(text: str, limit: int = 64) -> str:
+    """A client's method or path in a message, cut short (it may be kilobytes)."""
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _header(scope, name: bytes) -> str | None:

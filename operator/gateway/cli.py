@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+from pathlib import Path
 
 from kvpilot.engine.config.flags import add_dataclass_flags, dataclass_from_args
 
@@ -29,9 +31,24 @@ def add_parser(subparsers) -> None:
     add_bench_parser(subparsers)
 
 
+def read_key(path: str, flag: str) -> str:
+    """A key from its file (a mounted Secret), stripped; ValueError naming the flag."""
+    try:
+        key = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag}: cannot read {path}: {e}") from None
+    if not key:
+        raise ValueError(f"{flag}: {path} is empty")
+    return key
+
+
 def _cmd_gateway(args: argparse.Namespace) -> int:
     settings = dataclass_from_args(GatewaySettings, args, prefix="", backend=args.backend,
                                    namespace=args.namespace)
+    if not settings.backend:  # discovery needs the API: say so now, in one line
+        from ..kube_config import load_kube_config
+
+        load_kube_config()
     # uvloop where installed (uvicorn[standard] brings it): the proxy's per-chunk path is
     # mostly event-loop work (socket reads and writes, futures), which uvloop does in C.
     try:
@@ -53,7 +70,12 @@ async def serve(settings: GatewaySettings) -> int:
     from .table import RoutingTable
     from .tenants import Tenants
 
+    from .edge import edge_protocol
+
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per scrape
+    engine_key = read_key(settings.engine_api_key_file, "--engine-api-key-file") if settings.engine_api_key_file \
+        else os.environ.get("KVPILOT_ENGINE_API_KEY") or None
+    metrics_key = read_key(settings.metrics_key_file, "--metrics-key-file") if settings.metrics_key_file else None
     tenants = Tenants.load(settings.tenants_file) if settings.tenants_file else Tenants.unrestricted()
     table = RoutingTable(lambda: Picker(settings.routing, settings.load_factor,
                                         kv_saturation=settings.kv_saturation), settings.per_replica_concurrency)
@@ -63,10 +85,11 @@ async def serve(settings: GatewaySettings) -> int:
         tasks = []
         if settings.backend:
             table.update([parse_backend_flag(b) for b in settings.backend])
-            gateway = Gateway(settings, table, tenants, upstream)
+            gateway = Gateway(settings, table, tenants, upstream, engine_key=engine_key, metrics_key=metrics_key)
         else:
             discovery = KubernetesDiscovery(settings.namespace, settings.refresh_interval)
-            gateway = Gateway(settings, table, tenants, upstream, waker=discovery.scaler)
+            gateway = Gateway(settings, table, tenants, upstream, waker=discovery.scaler, engine_key=engine_key,
+                              metrics_key=metrics_key)
 
             def refresh(snapshots) -> None:
                 table.update(snapshots)
@@ -79,7 +102,9 @@ async def serve(settings: GatewaySettings) -> int:
                     f"LLMDeployments in {', '.join(settings.namespace) or 'all namespaces'}",
                     ", ".join(t.name for t in tenants.tenants) or "none (open)")
         config = uvicorn.Config(gateway, host=settings.host, port=settings.port, log_level="warning",
-                                access_log=False, lifespan="on", timeout_keep_alive=75)
+                                access_log=False, lifespan="on", timeout_keep_alive=75,
+                                http=edge_protocol(settings.header_read_timeout, settings.max_header_bytes,
+                                                   settings.max_headers))
         try:
             await uvicorn.Server(config).serve()
         finally:

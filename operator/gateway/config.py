@@ -9,6 +9,7 @@ from .picker import DEFAULT_KV_SATURATION, POLICIES
 from .prefix import DEFAULT_PREFIX_CHARS
 
 MAX_BODY_BYTES_LIMIT = 1 << 30
+METRICS_ACCESS = ("auto", "key", "open")
 
 
 @dataclass
@@ -36,6 +37,36 @@ class GatewaySettings:
     retries: int = field(default=2, metadata={
         "help": "other replicas to try after a connection error or a 503 (never once a response began)"})
     connect_timeout: float = field(default=2.0, metadata={"help": "seconds to connect to a replica"})
+    first_byte_timeout: float = field(default=30.0, metadata={
+        "help": "seconds a replica has to begin answering a streamed request (its headers, which an "
+        "engine sends once the request is queued); then the replica is ejected and the request "
+        "retried on another, or 504"})
+    response_timeout: float = field(default=600.0, metadata={
+        "help": "seconds a replica has to answer a non-streamed request (it answers when the whole "
+        "completion is done); then as --first-byte-timeout"})
+    stream_idle_timeout: float = field(default=120.0, metadata={
+        "help": "longest silence between two chunks of a replica's answer once it began; then the "
+        "stream ends with an error event and the replica is ejected"})
+    eject_seconds: float = field(default=5.0, metadata={
+        "help": "a replica that timed out, refused or failed is skipped this long, doubling with each "
+        "failure in a row (passive outlier ejection)"})
+    eject_max_seconds: float = field(default=120.0, metadata={"help": "the longest ejection"})
+    engine_api_key_file: str | None = field(default=None, metadata={
+        "help": "file holding the engines' API key (their --api-key), sent to replicas as `Authorization: "
+        "Bearer`; a different thing from tenants' keys. Unset: $KVPILOT_ENGINE_API_KEY, else none"})
+    metrics_access: str = field(default="auto", metadata={
+        "choices": METRICS_ACCESS, "help": "who may read /metrics (it names tenants and models): key: "
+        "only with `Authorization: Bearer` and the key in --metrics-key-file; open: anyone; auto: open "
+        "when the gateway has no tenants (nothing there is private), else key"})
+    metrics_key_file: str | None = field(default=None, metadata={
+        "help": "file holding the key that reads /metrics (Prometheus' bearer token)"})
+    header_read_timeout: float = field(default=10.0, metadata={
+        "help": "seconds a connection has to deliver a request's headers; then it is closed (408)"})
+    body_read_timeout: float = field(default=30.0, metadata={
+        "help": "seconds a request has to deliver its body once its headers are in; then 408"})
+    max_header_bytes: int = field(default=32 << 10, metadata={
+        "help": "largest request line plus headers accepted (431 above)"})
+    max_headers: int = field(default=100, metadata={"help": "most request headers accepted (431 above)"})
     max_body_bytes: int = field(default=32 << 20, metadata={"help": "largest request body accepted (413 above)"})
     tenants_file: str | None = field(default=None, metadata={
         "help": "YAML file of tenants (API key files, models, limits, priority); unset: open gateway"})
@@ -57,11 +88,23 @@ class GatewaySettings:
             "scale_from_zero_timeout": 0 < self.scale_from_zero_timeout <= 86400,
             "connect_timeout": 0 < self.connect_timeout <= 600,
             "max_body_bytes": 1 <= self.max_body_bytes <= MAX_BODY_BYTES_LIMIT,
+            "first_byte_timeout": 0 < self.first_byte_timeout <= 86400,
+            "response_timeout": 0 < self.response_timeout <= 86400,
+            "stream_idle_timeout": 0 < self.stream_idle_timeout <= 86400,
+            "eject_seconds": 0 <= self.eject_seconds <= 86400,
+            "eject_max_seconds": self.eject_seconds <= self.eject_max_seconds <= 86400,
+            "header_read_timeout": 0 < self.header_read_timeout <= 3600,
+            "body_read_timeout": 0 < self.body_read_timeout <= 3600,
+            "max_header_bytes": 1024 <= self.max_header_bytes <= 1 << 20,
+            "max_headers": 1 <= self.max_headers <= 10000,
             "refresh_interval": 0.05 <= self.refresh_interval <= 3600,
             "scrape_interval": 0.05 <= self.scrape_interval <= 3600,
         }
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')}: {getattr(self, name)!r} is out of range")
+        if self.metrics_access not in METRICS_ACCESS:
+            raise ValueError(f"--metrics-access must be one of {', '.join(METRICS_ACCESS)}, "
+                             f"got {self.metrics_access!r}")
         if self.routing not in POLICIES:
             raise ValueError(f"--routing must be one of {', '.join(POLICIES)}, got {self.routing!r}")

@@ -3,7 +3,9 @@ reached the client, then stream the answer through as it arrives (never buffered
 read the engines' `usage` on the way for the tenant's token limit."""
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -19,6 +21,7 @@ RESPONSE_HEADERS = ("content-type", "x-request-id", "retry-after", "cache-contro
 # ServerTimeoutError: the only timeout set is the connect one), reset while sending
 # (ClientOSError, ConnectionResetError), closed before answering (ServerDisconnectedError:
 # often a pooled connection the pod closed).
+# The first-byte deadline is the gateway's own (asyncio.timeout around the request).
 RETRYABLE_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerTimeoutError, aiohttp.ClientOSError,
                     ConnectionResetError, aiohttp.ServerDisconnectedError)
 USAGE_SCAN_BYTES = 1 << 22  # a non-streamed answer larger than this is passed on unread
@@ -67,23 +70,41 @@ def upstream_session(connect_timeout: float) -> aiohttp.ClientSession:
         skip_auto_headers=("Content-Type", "Accept-Encoding"), cookie_jar=aiohttp.DummyCookieJar())
 
 
-async def open_upstream(session: aiohttp.ClientSession, order: tuple[Replica, ...], path: str, body: bytes,
-                        headers: dict[str, str], attempts: int, attempt: Attempt) -> aiohttp.ClientResponse:
+@dataclass
+class Upstream:
+    """How one request goes to the replicas: at most `attempts` of them, each given
+    `timeout` seconds to begin answering; `eject(replica, cause)` is called on a timeout
+    or a failed connection (the gateway's passive outlier ejection)."""
+    session: aiohttp.ClientSession
+    attempts: int
+    timeout: float
+    eject: Callable[[Replica, str], None]
+
+
+async def open_upstream(up: Upstream, order: tuple[Replica, ...], path: str, body: bytes,
+                        headers: dict[str, str], attempt: Attempt) -> aiohttp.ClientResponse:
     """The first replica's response (headers read, body not), trying the next replica on a
-    connection failure or a 503 (a draining or overloaded pod), at most `attempts` in all.
-    The caller releases the response."""
+    connection failure, a replica silent past the first-byte timeout, or a 503 (a draining
+    or overloaded pod), at most `attempts` in all. The caller releases the response."""
     failure, cause, status = "no ready replica", None, 503
-    last_index = min(attempts, len(order)) - 1
-    for i, replica in enumerate(order[:attempts]):
+    last_index = min(up.attempts, len(order)) - 1
+    for i, replica in enumerate(order[:up.attempts]):
         if cause is not None:
             attempt.retries.append(cause)
         attempt.replica = replica
         replica.in_flight += 1
         try:
-            response = await session.post(replica.url + path, data=body, headers=headers)
+            async with asyncio.timeout(up.timeout):
+                response = await up.session.post(replica.url + path, data=body, headers=headers)
         except RETRYABLE_ERRORS as e:
             replica.in_flight -= 1
             failure, cause, status = f"{replica.name}: {type(e).__name__}: {e}", "connect_error", 502
+            up.eject(replica, cause)
+            continue
+        except TimeoutError:  # the first-byte deadline (asyncio.timeout); its connection is closed
+            replica.in_flight -= 1
+            failure, cause, status = f"{replica.name} did not answer within {up.timeout:g} s", "timeout", 504
+            up.eject(replica, cause)
             continue
         except BaseException:
             replica.in_flight -= 1
@@ -101,9 +122,12 @@ class SSEUsage:
     """Splits a server-sent-event stream into whole events so `usage` can be read, and
     drops the usage-only event when the gateway asked for it and the client did not."""
 
-    def __init__(self, usage: Usage, strip_usage_event: bool) -> None:
+    def __init__(self, usage: Usage, strip_usage_event: bool, count: bool = False) -> None:
         self.usage = usage
         self.strip = strip_usage_event
+        self.count = count  # bound the tokens passed on (the charge of a stream cut before its usage)
+        self.streamed = 0
+        self.seen_usage = False
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -113,16 +137,21 @@ class SSEUsage:
             self._pending = data
             return b""
         complete, self._pending = data[:end + 2], data[end + 2:]
-        if b'"usage":{' not in complete and b'"usage": {' not in complete:
+        if not self.count and b'"usage":{' not in complete and b'"usage": {' not in complete:
             return complete
         kept = []
         for event in complete.split(b"\n\n")[:-1]:
-            if event.startswith(b"data: {") and (b'"usage":{' in event or b'"usage": {' in event):
+            has_usage = b'"usage":{' in event or b'"usage": {' in event
+            if event.startswith(b"data: {") and (has_usage or self.count):
                 try:
                     payload = json.loads(event[6:])
                 except ValueError:
                     payload = {}
-                self.usage.read(payload)
+                if self.count:
+                    self.streamed += streamed_tokens(payload)
+                if has_usage and isinstance(payload.get("usage"), dict):
+                    self.usage.read(payload)
+                    self.seen_usage = True
                 if self.strip and payload.get("choices") == []:
                     continue
             kept.append(event + b"\n\n")
@@ -133,11 +162,32 @@ class SSEUsage:
         return rest
 
 
+def streamed_tokens(event: dict) -> int:
+    """An upper bound of the tokens one streamed event carries: the UTF-8 bytes of its text
+    (every token decodes to at least one byte), at least 1 per choice with text."""
+    total = 0
+    for choice in event.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else choice
+        parts = [delta.get(k) for k in ("text", "content", "reasoning_content")]
+        for call in delta.get("tool_calls") or ():
+            if isinstance(call, dict) and isinstance(call.get("function"), dict):
+                parts += [call["function"].get("name"), call["function"].get("arguments")]
+        size = sum(len(p.encode("utf-8", "surrogatepass")) for p in parts if isinstance(p, str))
+        if size or any(isinstance(p, str) for p in parts):
+            total += max(1, size)
+    return total
+
+
 def inject_usage_request(payload: dict) -> bool:
     """Ask a streaming request for its usage event (the token limit needs it). True when
     the client had not asked, so the event is dropped before it reaches the client."""
     options = payload.get("stream_options")
-    if isinstance(options, dict) and options.get("include_usage"):
-        return False
-    payload["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    if options is not None and not isinstance(options, dict):
+        return False  # invalid: passed on as sent, so the engine refuses it (never repaired here)
+    if isinstance(options, dict) and (options.get("include_usage") is True
+                                      or not isinstance(options.get("include_usage", False), bool)):
+        return False  # asked for already, or an invalid value the engine refuses
+    payload["stream_options"] = {**(options or {}), "include_usage": True}
     return True

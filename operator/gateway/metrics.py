@@ -20,6 +20,10 @@ class GatewayMetrics:
                                "Requests sent again to another replica, by model and cause "
                                "(connect_error: no connection; unavailable: the pod answered 503, draining)",
                                ["model", "cause"], registry=r)
+        self.ejections = Counter("kvpilot_gateway_ejections_total",
+                                 "Replicas ejected (skipped for a back-off), by model and cause (connect_error, "
+                                 "timeout: no first byte in time; stream_timeout: silent mid-answer; "
+                                 "stream_failed: lost mid-answer)", ["model", "cause"], registry=r)
         self.rate_limited = Counter("kvpilot_gateway_rate_limited_total",
                                     "Requests refused with 429, by tenant and limit (requests|tokens)",
                                     ["tenant", "limit"], registry=r)

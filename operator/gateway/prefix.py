@@ -34,12 +34,12 @@ def prefix_key(body: dict, prefix_chars: int = DEFAULT_PREFIX_CHARS,
             text += _message_text(message)
             if len(text) >= prefix_chars:
                 break
-        return text[:prefix_chars].encode() or None
+        return text[:prefix_chars].encode("utf-8", "surrogatepass") or None
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]  # a batch of prompts: the first one's start
     if isinstance(prompt, str):
-        return prompt[:prefix_chars].encode() or None
+        return prompt[:prefix_chars].encode("utf-8", "surrogatepass") or None
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt[:prefix_tokens]):
         return json.dumps(prompt[:prefix_tokens]).encode()
     return None

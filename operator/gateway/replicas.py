@@ -25,6 +25,22 @@ class Replica:
     url: str  # http://IP:PORT
     in_flight: int = 0  # requests this gateway has open on it now
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    failures: int = 0  # consecutive timeouts or failures (0 after a good answer)
+    ejected_until: float = 0.0  # passive outlier ejection: skipped until then (monotonic clock)
+
+    def ejected(self, now: float) -> bool:
+        return now < self.ejected_until
+
+    def fail(self, now: float, base_s: float, max_s: float) -> float:
+        """Eject after a timeout or failure: skipped for base_s, doubling with each failure
+        in a row, at most max_s. Returns the back-off."""
+        self.failures += 1
+        backoff = min(max_s, base_s * 2 ** min(self.failures - 1, 32))
+        self.ejected_until = now + backoff
+        return backoff
+
+    def succeed(self) -> None:
+        self.failures = 0
 
     def queue_depth(self) -> float:
         """Requests on the pod: the larger of what it reported and what this gateway has

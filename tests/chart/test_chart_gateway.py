@@ -70,7 +70,8 @@ def test_default_gateway_deployment(helm):  # noqa: F811
     assert c["command"] == ["kvpilot", "--log-level", "INFO", "gateway"]
     assert c["args"] == ["--port=8000", "--routing=prefix", "--load-factor=1.25", "--per-replica-concurrency=256",
                          "--queue-timeout=60", "--scale-from-zero-timeout=300", "--retries=2", "--refresh-interval=1", "--scrape-interval=1",
-                         "--no-log-prompts"]
+                         "--no-log-prompts", "--first-byte-timeout=30", "--response-timeout=600",
+                         "--stream-idle-timeout=120", "--metrics-access=auto"]
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     for probe in ("readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
@@ -87,6 +88,24 @@ def test_default_gateway_deployment(helm):  # noqa: F811
         "serviceAccountName"]
     assert "affinity" not in pod and not named(docs, "PodDisruptionBudget", GW)  # one replica
     assert not named(docs, "ConfigMap", f"{GW}-tenants")
+
+
+def test_metrics_key_and_engine_key_come_from_secrets(helm):  # noqa: F811
+    docs = render(helm, "--api-versions", "monitoring.coreos.com/v1", "--set-json",
+                  'gateway.metricsKeySecret={"name": "gw-metrics", "key": "token"}', "--set-json",
+                  'gateway.engineApiKeySecret={"name": "engine-key"}')
+    c = container(docs)
+    assert "--metrics-key-file=/etc/kvpilot/gateway/metrics-key/token" in c["args"]
+    assert "--engine-api-key-file=/etc/kvpilot/gateway/engine-key/api-key" in c["args"]
+    volumes = {v["name"]: v for v in gateway(docs)["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["metrics-key"]["secret"] == {"secretName": "gw-metrics", "items": [
+        {"key": "token", "path": "token"}], "defaultMode": 288}
+    assert volumes["engine-key"]["secret"]["secretName"] == "engine-key"
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["metrics-key"] == "/etc/kvpilot/gateway/metrics-key"
+    (sm,) = named(docs, "ServiceMonitor", GW)
+    assert sm["spec"]["endpoints"][0]["bearerTokenSecret"] == {"name": "gw-metrics", "key": "token"}
+    assert "metricsAccess" in template_fails(helm, "--set", "gateway.metricsAccess=everyone")
 
 
 def test_gateway_service(helm):  # noqa: F811
@@ -110,7 +129,8 @@ def test_flags_follow_values(helm):  # noqa: F811
     assert c["command"] == ["kvpilot", "--log-level", "DEBUG", "gateway"]
     assert c["args"] == ["--port=9000", "--routing=least-loaded", "--load-factor=1.5",
                          "--per-replica-concurrency=64", "--queue-timeout=5", "--scale-from-zero-timeout=300", "--retries=0", "--refresh-interval=1",
-                         "--scrape-interval=1", "--log-prompts"]
+                         "--scrape-interval=1", "--log-prompts", "--first-byte-timeout=30", "--response-timeout=600",
+                         "--stream-idle-timeout=120", "--metrics-access=auto"]
     assert c["ports"][0]["containerPort"] == 9000
 
 

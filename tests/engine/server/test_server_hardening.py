@@ -129,6 +129,60 @@ def test_bytes_that_are_not_http_get_400_in_theenvelope(server):
     assert b"application/json" in head
 
 
+def test_two_framings_get_400_and_the_connection_closes_before_a_second_request(server):
+    """Content-Length and Transfer-Encoding both, then a second request in the same write:
+    one answer (400 in the envelope), and the connection closes (RFC 9112 6.3), with the
+    API key or without it."""
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    for auth in (b"Authorization: Bearer " + KEY.encode() + b"\r\n", b""):
+        with _connect(server) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: %d\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), len(body), body)
+                         + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            response = _read_response(sock, 10)
+        assert response.count(b"HTTP/1.1 ") == 1, response
+        status, payload, head = _status_and_json(response)
+        assert status == 400 and "Transfer-Encoding" in payload["error"]["message"]
+        assert b"connection: close" in head
+
+
+def test_head_answers_on_every_get_route(server):
+    for path in ("/health", "/version", "/metrics", "/openapi.json"):
+        r = httpx.head(server.url + path, timeout=10)
+        assert r.status_code == 200 and r.content == b"", path
+    r = httpx.head(server.url + "/v1/models", headers=AUTH, timeout=10)
+    assert r.status_code == 200 and r.content == b""
+    assert httpx.head(server.url + "/v1/models", timeout=10).status_code == 401  # still behind the key
+
+
+def test_random_methods_and_paths_cannot_grow_metrics(server):
+    """The HTTP metrics label by method and path: 100 requests with random 4 KB methods and
+    paths leave /metrics as large as one such request does."""
+    import random
+
+    def metrics_size() -> int:
+        return len(httpx.get(server.url + "/metrics", timeout=10).content)
+
+    def send_random(i: int) -> None:
+        rng = random.Random(i)
+        method = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(4096)).encode()
+        path = "/" + "".join(rng.choice("abcdefghij") for _ in range(4096))
+        with _connect(server) as sock:
+            sock.sendall(method + b" " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            sock.settimeout(10)
+            while sock.recv(65536):
+                pass
+
+    send_random(0)
+    before = metrics_size()
+    for i in range(1, 101):
+        send_random(i)
+    after = metrics_size()
+    assert after - before < 2048, (before, after)
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    assert 'method="OTHER"' in text
+
+
 def test_keep_alive_still_serves_several_requests_on_one_connection(server):
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as client:
         for _ in range(3):

@@ -132,3 +132,32 @@ def test_server_timing_header_round_trips_and_skips_what_it_cannot_say():
     # another server's entries (no duration, a description) do not confuse the reader
     assert parse_server_timing('cache;desc="hit", db;dur=53, ttft;dur=abc') == {"db": 0.053}
     assert parse_server_timing(None) == {}
+
+
+def test_a_request_the_engine_took_counts_against_the_queue_cap_before_the_next_publish():
+    """Issue 40: the waiting gauge reached 80 with --max-queued-requests 64. The engine
+    thread takes a burst of adds and then runs a step before it publishes its waiting count;
+    the adds it took in between counted nowhere, so more were admitted past the cap."""
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from kvpilot.engine.core.sampling_params import SamplingParams
+    from kvpilot.engine.server.async_engine import AsyncEngine
+
+    class StubEngine:
+        latency_sink = None
+        waiting = 0
+
+        def add_request(self, *args, **kwargs):
+            self.waiting += 1
+
+        def stats(self):
+            return SimpleNamespace(num_waiting=self.waiting)
+
+    stub = StubEngine()
+    engine = AsyncEngine(stub, SimpleNamespace(record_stats=lambda stats: None))
+    for i in range(3):  # as the engine thread runs three add commands before a step
+        engine._do_add(f"r{i}", [1, 2], SamplingParams(max_tokens=1), 0.0, "default", concurrent.futures.Future())
+    assert engine.queue_length == 3 and engine.num_waiting == 0  # not yet published, still counted
+    engine._publish()
+    assert engine.queue_length == 3 and engine.num_waiting == 3  # published once, not twice

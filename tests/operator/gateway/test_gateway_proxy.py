@@ -12,6 +12,7 @@ import pytest
 
 from kvpilot.operator.gateway.app import Gateway
 from kvpilot.operator.gateway.config import GatewaySettings
+from kvpilot.operator.gateway.edge import edge_protocol
 from kvpilot.operator.gateway.forward import upstream_session
 from kvpilot.operator.gateway.picker import Picker
 from kvpilot.operator.gateway.table import BackendSnapshot, RoutingTable
@@ -23,8 +24,10 @@ KEY_A, KEY_B = "a" * 32, "b" * 32
 
 
 @contextlib.asynccontextmanager
-async def gateway(backends: dict[str, list], tenants: Tenants | None = None, **settings):
-    """A gateway in front of FakeEngines (or URLs that refuse connections), and a client."""
+async def gateway(backends: dict[str, list], tenants: Tenants | None = None, keys: dict | None = None,
+                  **settings):
+    """A gateway in front of FakeEngines (or URLs that refuse connections), and a client;
+    `keys`: the Gateway's engine_key / metrics_key."""
     engines = list({id(e): e for es in backends.values() for e in es if isinstance(e, FakeEngine)}.values())
     settings = GatewaySettings(**{"queue_timeout": 2.0, **settings})
     table = RoutingTable(lambda: Picker(settings.routing), settings.per_replica_concurrency)
@@ -36,8 +39,9 @@ async def gateway(backends: dict[str, list], tenants: Tenants | None = None, **s
         for e in engines:
             await stack.enter_async_context(serving(e, e.port))
         upstream = await stack.enter_async_context(upstream_session(connect_timeout=2))
-        app = Gateway(settings, table, tenants or Tenants.unrestricted(), upstream)
-        await stack.enter_async_context(serving(app, port))
+        app = Gateway(settings, table, tenants or Tenants.unrestricted(), upstream, **(keys or {}))
+        await stack.enter_async_context(serving(app, port, edge_protocol(
+            settings.header_read_timeout, settings.max_header_bytes, settings.max_headers)))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
                                                                    timeout=30))
         yield client, app, table
@@ -112,7 +116,7 @@ tenants:
 def test_keys_tenant_models_and_request_limit(tmp_path):
     async def main():
         async with gateway({"m1": [FakeEngine("one")], "m2": [FakeEngine("two")]},
-                           tenants_for(tmp_path)) as (client, app, _):
+                           tenants_for(tmp_path), keys={"metrics_key": "m" * 32}) as (client, app, _):
             a = {"Authorization": f"Bearer {KEY_A}"}
             assert_envelope(await client.post("/v1/completions", json=completion("m1")), 401, match="API key")
             assert_envelope(await client.post("/v1/completions", json=completion("m1"),
@@ -128,7 +132,7 @@ def test_keys_tenant_models_and_request_limit(tmp_path):
             assert 55 <= int(r.headers["retry-after"]) <= 60
             b = {"Authorization": f"Bearer {KEY_B}"}  # another tenant is not limited by team-a's use
             assert (await client.post("/v1/completions", json=completion("m2"), headers=b)).status_code == 200
-            metrics = (await client.get("/metrics")).text
+            metrics = (await client.get("/metrics", headers={"Authorization": "Bearer " + "m" * 32})).text
             assert 'kvpilot_gateway_rate_limited_total{limit="requests",tenant="team-a"} 1.0' in metrics
     run(main())
 
@@ -137,7 +141,7 @@ def test_token_limit_reads_usage_and_strips_the_usage_event_the_client_did_not_a
     async def main():
         engine = FakeEngine("one", chunks=5)
         async with gateway({"m1": [engine], "m2": [engine]},
-                           tenants_for(tmp_path, "tokensPerWindow: 20")) as (client, app, _):
+                           tenants_for(tmp_path, "tokensPerWindow: 20"), metrics_access="open") as (client, app, _):
             b = {"Authorization": f"Bearer {KEY_B}"}
             r = await client.post("/v1/completions", json=completion("m2", stream=True), headers=b)
             events = [line for line in r.text.split("\n\n") if line]
@@ -273,7 +277,7 @@ def test_zero_replicas_holds_then_serves_when_a_replica_appears():
 
 def test_usage_header_json_is_parsed_for_non_streaming_answers(tmp_path):
     async def main():
-        async with gateway({"m1": [FakeEngine("one", chunks=2)]}, tenants_for(tmp_path)) as (client, app, _):
+        async with gateway({"m1": [FakeEngine("one", chunks=2)]}, tenants_for(tmp_path), metrics_access="open") as (client, app, _):
             a = {"Authorization": f"Bearer {KEY_A}"}
             await client.post("/v1/completions", json=completion("m1"), headers=a)
             text = (await client.get("/metrics")).text
