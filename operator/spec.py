@@ -141,7 +141,7 @@ class S3Options(Model):
     endpoint: Optional[str] = Field(
         default=None, pattern=URL_PATTERN, max_length=512,
         description="The store's URL (AWS_ENDPOINT_URL), e.g. http://minio.storage:9000; default AWS.")
-    region: Optional[str] = Field(default=None, pattern=r"^[a-z0-9-]{1,64}$",
+    region: Optional[str] = Field(default=None, pattern=r"^[a-z0-9-]{1,64}$", max_length=64,
                                   description="AWS_REGION; default us-east-1.")
     path_style: bool = Field(default=False, description="Path-style addressing (MinIO and most "
                                                         "self-hosted stores need it).")
