@@ -33,6 +33,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-concurrent-reconciles", type=_positive_int, default=8,
                    help="resync reconciles running at once (each in a worker thread); one object never "
                         "has two at once")
+    eng = p.add_argument_group("engine pods (what an LLMDeployment leaves out)")
+    eng.add_argument("--engine-image", default=None,
+                     help="the engine image (default: kvpilot/engine:<this version>); spec.engine.image overrides")
+    eng.add_argument("--gpu-resource-name", default=None,
+                     help="the extended resource GPUs are requested as (default nvidia.com/gpu)")
+    eng.add_argument("--engine-defaults", default=None, metavar="JSON",
+                     help="pod defaults as JSON: {pod: {imagePullSecrets, serviceAccountName, annotations, "
+                          "labels, securityContext}, scheduling: {nodeSelector, tolerations, affinity, "
+                          "priorityClassName}} (the chart's engine values)")
     p.set_defaults(func=_cmd_operator)
 
     p = subparsers.add_parser("crd", help="print the LLMDeployment CRD (YAML)")
@@ -57,7 +66,32 @@ def _cmd_crd(args: argparse.Namespace) -> int:
     return 0
 
 
+def engine_defaults(args: argparse.Namespace) -> str:
+    """The OperatorDefaults the flags give, as the JSON reconcile reads from the environment;
+    ValueError naming the flag when they are invalid."""
+    import json
+
+    from pydantic import ValidationError
+
+    from .spec import OperatorDefaults
+
+    try:
+        raw = json.loads(args.engine_defaults) if args.engine_defaults else {}
+        if not isinstance(raw, dict):
+            raise ValueError("must be a JSON object")
+        if args.engine_image:
+            raw["engineImage"] = args.engine_image
+        if args.gpu_resource_name:
+            raw["gpuResourceName"] = args.gpu_resource_name
+        return OperatorDefaults.model_validate(raw).model_dump_json(by_alias=True, exclude_none=True)
+    except (ValueError, ValidationError) as e:
+        raise ValueError(f"--engine-defaults/--engine-image/--gpu-resource-name: {e}") from None
+
+
 def _cmd_operator(args: argparse.Namespace) -> int:
+    from .spec import DEFAULTS_ENV
+
+    os.environ[DEFAULTS_ENV] = engine_defaults(args)
     os.environ["KVPILOT_RESYNC_SECONDS"] = str(args.resync_interval)
     os.environ["KVPILOT_MAX_CONCURRENT_RECONCILES"] = str(args.max_concurrent_reconciles)
     os.environ["KVPILOT_WATCH_NAMESPACES"] = ",".join(args.namespace or [])
