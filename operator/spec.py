@@ -462,12 +462,17 @@ class SpecTokensRange(Model):
                                description="Default and upper limit: engine.speculative.numSpeculativeTokens.")
 
 
+# kube-prometheus-stack in namespace monitoring: the Prometheus Operator's governing Service of
+# every Prometheus it runs, whatever the release's name.
+DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
+
+
 class PrometheusSpec(Model):
     """The Prometheus the autotuner reads the engine metrics from."""
-    url: str = Field(default="http://prometheus-operated.monitoring.svc:9090", pattern=URL_PATTERN,
-                     max_length=1024,
-                     description="Prometheus's base URL; the default is kube-prometheus-stack's in "
-                                 "namespace monitoring (the chart's autotune.prometheusURL documents others).")
+    url: Optional[str] = Field(
+        default=None, pattern=URL_PATTERN, max_length=1024,
+        description="Prometheus's base URL; default: the operator's (the chart's engine.prometheusURL), "
+                    f"else {DEFAULT_PROMETHEUS_URL} (kube-prometheus-stack in namespace monitoring).")
 
 
 class Objectives(Model):
@@ -645,6 +650,7 @@ class OperatorDefaults(Model):
     so `helm upgrade` reaches every engine pod."""
     engine_image: Optional[str] = Field(default=None, pattern=IMAGE_PATTERN, max_length=512)
     gpu_resource_name: Optional[str] = Field(default=None, pattern=EXTENDED_RESOURCE_PATTERN, max_length=253)
+    prometheus_url: Optional[str] = Field(default=None, pattern=URL_PATTERN, max_length=1024)
     pod: PodSettings = Field(default_factory=PodSettings)
     scheduling: Scheduling = Field(default_factory=Scheduling)
 
@@ -657,8 +663,10 @@ class OperatorDefaults(Model):
 def with_defaults(spec: LLMDeploymentSpec, d: OperatorDefaults) -> LLMDeploymentSpec:
     """`spec` with the operator's defaults where it names nothing: scalars and lists are
     replaced whole, annotations and labels merged (the spec's win)."""
-    e, r, p, s = spec.engine, spec.resources, spec.pod, spec.scheduling
+    e, r, p, s, at = spec.engine, spec.resources, spec.pod, spec.scheduling, spec.autotune
+    url = at.prometheus.url or d.prometheus_url or DEFAULT_PROMETHEUS_URL
     return spec.model_copy(update={
+        "autotune": at.model_copy(update={"prometheus": at.prometheus.model_copy(update={"url": url})}),
         "engine": e.model_copy(update={"image": e.image or d.engine_image or DEFAULT_IMAGE}),
         "resources": r.model_copy(update={
             "gpu_resource_name": r.gpu_resource_name or d.gpu_resource_name or DEFAULT_GPU_RESOURCE}),

@@ -13,6 +13,7 @@ from kvpilot.operator.crd import build_crd
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "kvpilot"
+KUBE_VERSION = "1.31.0"  # the chart's kubeVersion is >=1.30; helm template assumes 1.20 otherwise
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def helm() -> str:
 
 
 def render(helm: str, *args: str) -> list[dict]:
-    out = subprocess.run([helm, "template", "kvpilot", str(CHART), "-n", "kvpilot-system", *args],
+    out = subprocess.run([helm, "template", "kvpilot", str(CHART), "-n", "kvpilot-system", "--kube-version", KUBE_VERSION, *args],
                          capture_output=True, text=True, check=True).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
@@ -105,7 +106,7 @@ def test_kubeconfig_secret_mode(helm):
 
 
 def test_values_schema_rejects_bad_values(helm):
-    proc = subprocess.run([helm, "template", "x", str(CHART), "--set", "metricsPort=notaport"],
+    proc = subprocess.run([helm, "template", "x", str(CHART), "--kube-version", KUBE_VERSION, "--set", "metricsPort=notaport"],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "metricsPort" in proc.stderr
 

@@ -47,7 +47,7 @@ def with_tenants(helm: str, tenants: list[dict], *args: str) -> list[dict]:  # n
 
 
 def template_fails(helm: str, *args: str) -> str:  # noqa: F811
-    proc = subprocess.run([helm, "template", "x", str(CHART), *args], capture_output=True, text=True)
+    proc = subprocess.run([helm, "template", "x", str(CHART), "--kube-version", "1.31.0", *args], capture_output=True, text=True)
     assert proc.returncode != 0, proc.stdout
     return proc.stderr
 
@@ -277,7 +277,7 @@ def test_notes_say_how_to_reach_the_gateway(helm, tmp_path):  # noqa: F811
         'data:\n  notes: {{ include (print $.Template.BasePath "/NOTES.txt") . | quote }}\n')
 
     def notes(*args: str) -> str:
-        out = subprocess.run([helm, "template", "kvpilot", str(chart), "-n", NS, "--show-only",
+        out = subprocess.run([helm, "template", "kvpilot", str(chart), "-n", NS, "--kube-version", "1.31.0", "--show-only",
                               "templates/notes-probe.yaml", *args], capture_output=True, text=True, check=True)
         return yaml.safe_load(out.stdout)["data"]["notes"]
     text = notes()
