@@ -717,9 +717,27 @@ def validate_spec(spec: LLMDeploymentSpec) -> None:
             raise InvalidSpec(f"engine.kvCacheDtype {e.kv_cache_dtype} is not modelled by engine.simulate")
     if e.speculative is not None:
         validate_speculative(e.speculative)
+    if e.extra_args:
+        validate_extra_args(e.extra_args)
     validate_spec_bounds(spec)
     from .parallel import validate_parallel
     validate_parallel(spec)
+
+
+def validate_extra_args(extra: list[str]) -> None:
+    """engine.extraArgs as `kvpilot serve`'s own parser reads them (it loads no torch): a
+    value it would refuse at start ("--seed abc", a flag without its value) is refused here,
+    not crash-looped in a pod."""
+    import argparse
+
+    from kvpilot.engine.server.cli import add_parser
+
+    class Refusing(argparse.ArgumentParser):
+        def error(self, message):  # argparse's own: print usage, exit 2
+            raise InvalidSpec(f"engine.extraArgs: kvpilot serve would refuse them: {message}")
+
+    serve = add_parser(Refusing(prog="kvpilot").add_subparsers())
+    serve.parse_args(["--model", "builtin:tiny", *extra])
 
 
 def validate_speculative(sp: SpeculativeSpec) -> None:

@@ -258,3 +258,13 @@ def test_a_pydantic_model_refuses_a_float_or_bool_quantity():
     for value in (True, 1.5, float("inf")):
         with pytest.raises(ValueError):
             LLMDeploymentSpec.model_validate(body(engine={"kvCacheMemory": value}))
+
+
+@pytest.mark.parametrize("extra", [["--seed", "abc"], ["--seed"], ["stray"], ["--max-queued-requests=x"],
+                                   ["--cpu-threads", "2", "--cpu-threads"]])
+def test_the_operator_refuses_extra_args_the_engine_would_exit_on(extra):
+    """Values the CRD cannot type-check: the operator reads them with `kvpilot serve`'s own
+    parser, so the pod never crash-loops on them (Degraded, InvalidSpec)."""
+    spec = body(engine={"extraArgs": extra})
+    with pytest.raises(InvalidSpec, match="kvpilot serve would refuse them"):
+        parse_spec({"spec": spec})
