@@ -100,6 +100,7 @@ def test_the_example_fields_exist_with_defaults_and_validation():
 
 
 @pytest.mark.parametrize("example", ["llmdeployment-tiny.yaml", "llmdeployment-simulated.yaml",
+                                     "llmdeployment-simulated-cpu.yaml",
                                      "llmdeployment-simulated-70b.yaml"])
 def test_example_is_valid_against_field_names(example):
     doc = yaml.safe_load((ROOT / "examples" / example).read_text())

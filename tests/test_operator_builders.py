@@ -230,3 +230,21 @@ def test_pdb_only_for_more_than_one_replica():
     assert build_pdb(OWNER, 1) is None and build_pdb(OWNER, 0) is None
     pdb = build_pdb(OWNER, 2)
     assert pdb["apiVersion"] == "policy/v1" and pdb["spec"]["maxUnavailable"] == 1
+
+
+def test_a_new_operator_image_rolls_pods_that_name_none_and_not_those_that_do():
+    """helm upgrade changes --engine-image: the pod template (and its hash) follow for every
+    LLMDeployment without spec.engine.image; one that names its own stays as it was."""
+    from kvpilot.operator.reconcile import parse_spec
+    from kvpilot.operator.spec import OperatorDefaults
+
+    def template(spec: dict, image: str) -> dict:
+        s = parse_spec({"spec": spec}, OperatorDefaults(engine_image=image))
+        return build_deployment(OWNER, s, 1)["spec"]["template"]
+
+    plain, pinned = {"model": {"source": "builtin:tiny"}}, {"model": {"source": "builtin:tiny"},
+                                                            "engine": {"image": "mine:1"}}
+    old, new = template(plain, "kvpilot/engine:0.1.0"), template(plain, "kvpilot/engine:0.2.0")
+    assert new["spec"]["containers"][0]["image"] == "kvpilot/engine:0.2.0"
+    assert old["metadata"]["annotations"][HASH_ANNOTATION] != new["metadata"]["annotations"][HASH_ANNOTATION]
+    assert template(pinned, "kvpilot/engine:0.1.0") == template(pinned, "kvpilot/engine:0.2.0")
