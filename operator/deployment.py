@@ -252,8 +252,8 @@ def build_pod_template(owner: Owner, spec: LLMDeploymentSpec, model_revision: st
         pod_spec["nodeSelector"] = dict(sched.node_selector)
     if sched.tolerations:
         pod_spec["tolerations"] = [t.dump() for t in sched.tolerations]
-    if sched.affinity:
-        pod_spec["affinity"] = sched.affinity
+    if sched.affinity is not None and sched.affinity.dump():
+        pod_spec["affinity"] = sched.affinity.dump()
     if sched.priority_class_name:
         pod_spec["priorityClassName"] = sched.priority_class_name
     annotations = {**pod.annotations, "prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),

@@ -64,7 +64,9 @@ def test_schema_is_structural():
     text = json.dumps(schema)
     assert "$ref" not in text and '"title"' not in text and "null" not in text
     preserve = [p for p, n in walk(schema) if isinstance(n, dict) and n.get("x-kubernetes-preserve-unknown-fields")]
-    assert sorted(preserve) == [".properties.spec.properties.scheduling.properties.affinity",
+    assert sorted(preserve) == [".properties.spec.properties.scheduling.properties.affinity.properties.nodeAffinity",
+                                ".properties.spec.properties.scheduling.properties.affinity.properties.podAffinity",
+                                ".properties.spec.properties.scheduling.properties.affinity.properties.podAntiAffinity",
                                 ".properties.status.properties.autotune.properties.capacity",
                                 ".properties.status.properties.autotune.properties.snapshot"]
     for path, node in walk(schema):
