@@ -294,7 +294,7 @@ def can_i(cluster, namespace: str) -> tuple[set[tuple], list[str]]:
 
 def chart_permissions(namespace: str, operator_ns: bool) -> set[tuple]:
     import subprocess
-    out = subprocess.run([helm_binary(), "template", RELEASE, str(CHART), "-n", OPERATOR_NS],
+    out = subprocess.run([helm_binary(), "template", RELEASE, str(CHART), "-n", OPERATOR_NS, "--kube-version", "1.31.0"],
                          capture_output=True, text=True, check=True).stdout
     perms = set()
     for d in yaml.safe_load_all(out):

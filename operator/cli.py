@@ -33,6 +33,18 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-concurrent-reconciles", type=_positive_int, default=8,
                    help="resync reconciles running at once (each in a worker thread); one object never "
                         "has two at once")
+    eng = p.add_argument_group("engine pods (what an LLMDeployment leaves out)")
+    eng.add_argument("--engine-image", default=None,
+                     help="the engine image (default: kvpilot/engine:<this version>); spec.engine.image overrides")
+    eng.add_argument("--simulated-engine-image", default=None,
+                     help="the image of simulated engine pods (engine.simulate) that name none (default: "
+                          "kvpilot/operator:<this version>, which holds no torch); spec.engine.image overrides")
+    eng.add_argument("--gpu-resource-name", default=None,
+                     help="the extended resource GPUs are requested as (default nvidia.com/gpu)")
+    eng.add_argument("--engine-defaults", default=None, metavar="JSON",
+                     help="pod defaults as JSON: {pod: {imagePullSecrets, serviceAccountName, annotations, "
+                          "labels, securityContext}, scheduling: {nodeSelector, tolerations, affinity, "
+                          "priorityClassName}} (the chart's engine values)")
     p.set_defaults(func=_cmd_operator)
 
     p = subparsers.add_parser("crd", help="print the LLMDeployment CRD (YAML)")
@@ -57,10 +69,37 @@ def _cmd_crd(args: argparse.Namespace) -> int:
     return 0
 
 
+def engine_defaults(args: argparse.Namespace) -> str:
+    """The OperatorDefaults the flags give, as the JSON reconcile reads from the environment;
+    ValueError naming the flag when they are invalid."""
+    import json
+
+    from pydantic import ValidationError
+
+    from .api.spec import OperatorDefaults
+
+    try:
+        raw = json.loads(args.engine_defaults) if args.engine_defaults else {}
+        if not isinstance(raw, dict):
+            raise ValueError("must be a JSON object")
+        if args.engine_image:
+            raw["engineImage"] = args.engine_image
+        if args.simulated_engine_image:
+            raw["simulatedImage"] = args.simulated_engine_image
+        if args.gpu_resource_name:
+            raw["gpuResourceName"] = args.gpu_resource_name
+        return OperatorDefaults.model_validate(raw).model_dump_json(by_alias=True, exclude_none=True)
+    except (ValueError, ValidationError) as e:
+        raise ValueError(f"--engine-defaults/--engine-image/--simulated-engine-image/--gpu-resource-name: {e}") from None
+
+
 def _cmd_operator(args: argparse.Namespace) -> int:
     from .kube_config import load_kube_config
 
     load_kube_config()  # no API to reach: one line and exit 2 now, not a traceback every minute
+    from .api.spec import DEFAULTS_ENV
+
+    os.environ[DEFAULTS_ENV] = engine_defaults(args)
     os.environ["KVPILOT_RESYNC_SECONDS"] = str(args.resync_interval)
     os.environ["KVPILOT_MAX_CONCURRENT_RECONCILES"] = str(args.max_concurrent_reconciles)
     os.environ["KVPILOT_WATCH_NAMESPACES"] = ",".join(args.namespace or [])

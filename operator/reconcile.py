@@ -4,6 +4,7 @@ check the spec, look for missing prerequisites and failing pods, let the autotun
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -18,7 +19,8 @@ from .manifests.objects import (Owner, build_configmap, build_pdb, build_service
 from .model_status import MODEL_READY, hub_token, model_progress, resolve_revision, unresolved
 from .pod_health import pod_problems
 from .manifests.simulate import simulated_summary
-from .api.spec import GROUP, KIND, VERSION, InvalidSpec, LLMDeploymentSpec, validate_spec
+from .api.spec import (GROUP, KIND, VERSION, InvalidSpec, LLMDeploymentSpec, OperatorDefaults, validate_spec,
+                       with_defaults)
 from .api.status import AutotuneStatus, Condition, Effective, LLMDeploymentStatus, ModelDownloadStatus
 from .autotune.context import AutotuneContext, AutotuneOutcome
 
@@ -39,14 +41,16 @@ class Result:
         return c is not None and c.status == "True"
 
 
-def parse_spec(body) -> LLMDeploymentSpec:
+def parse_spec(body, defaults: OperatorDefaults | None = None) -> LLMDeploymentSpec:
+    """The spec, checked, with the operator's defaults (default: from its environment, which
+    `kvpilot operator` sets from its flags) filled in."""
     try:
         spec = LLMDeploymentSpec.model_validate(dict(body.get("spec") or {}))
     except ValidationError as e:
         errs = "; ".join(f"spec.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
         raise InvalidSpec(errs) from None
     validate_spec(spec)
-    return spec
+    return with_defaults(spec, defaults if defaults is not None else OperatorDefaults.from_env(os.environ))
 
 
 def find_problems(kube: Kube, namespace: str, spec: LLMDeploymentSpec) -> list[Problem]:
@@ -217,7 +221,8 @@ def apply_owned(kube: Kube, owner: Owner, spec: LLMDeploymentSpec, effective: Ef
         deployment = before
     else:
         deployment = kube.apply(build_deployment(owner, spec, effective.replicas,
-                                                 model.revision if model is not None else None),
+                                                 model.revision if model is not None else None,
+                                                 model.bytes_total if model is not None else None),
                                 live=before, live_read=True)
     kube.apply(build_service(owner, spec))
     pdb = build_pdb(owner, effective.replicas)

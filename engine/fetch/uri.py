@@ -14,14 +14,33 @@ from dataclasses import dataclass, field
 HF_SCHEME = "hf://"
 S3_SCHEME = "s3://"
 
-# Hub repository ids: ORG/NAME, each part letters, digits, '-', '_', '.' (no '--' or '..',
-# which the Hub refuses too); a revision is a branch, tag or commit (no spaces or '..').
-_HUB_PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
-HUB_REPO = re.compile(rf"^{_HUB_PART}/{_HUB_PART}$")
-HUB_REVISION = re.compile(r"^[A-Za-z0-9._/-]{1,255}$")
+# The pieces of every model URI, shared with the operator's CRD (kvpilot/operator/spec.py builds
+# its patterns from them, so the API server, pydantic and this parser agree). Each runs the same
+# under Python's re, Rust's regex (pydantic) and Go's RE2 (the API server): no look-arounds.
+# Hub repository ids: ORG/NAME, each part letters, digits, '_', with single '-' or '.' between
+# them (the Hub refuses '--' and '..' and a name that starts or ends with '-' or '.'), 1-96 long.
+HUB_PART = r"[A-Za-z0-9_]+([.-][A-Za-z0-9_]+)*"
+# A revision (branch, tag or commit) as git allows refs: '/'-separated parts, none empty, none
+# starting or ending with '.', no '..' (so never an absolute path or a step out of a cache).
+HUB_REVISION_PART = r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*"
+HUB_REV = rf"{HUB_REVISION_PART}(/{HUB_REVISION_PART})*"
+# S3 bucket names (the AWS rules, which MinIO, Ceph and R2 follow): dot-separated labels of
+# lowercase letters, digits and '-', 3-63 characters.
+S3_BUCKET_NAME = r"[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*"
+# A relative path: '/'-separated parts, none empty, '.' or '..', without '$', spaces or
+# control characters (so never a step out of a mount or a cache).
+_PATH_CHAR, _NOT_DOT = r"[^/$\x00-\x20\x7f]", r"[^/.$\x00-\x20\x7f]"
+PATH_PART = rf"({_NOT_DOT}|{_NOT_DOT}{_PATH_CHAR}|\.{_NOT_DOT}|{_PATH_CHAR}{{3,}})"
+REL_PATH = rf"{PATH_PART}(/{PATH_PART})*"
+DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+BUILTIN_NAME = r"[a-z0-9]+(-[a-z0-9]+)*"
+HF_URI = rf"hf://{HUB_PART}/{HUB_PART}(@{HUB_REV})?"
+S3_URI = rf"s3://{S3_BUCKET_NAME}(/|/{REL_PATH}/?)?"
+HUB_REPO = re.compile(rf"^{HUB_PART}/{HUB_PART}$")
+HUB_REVISION = re.compile(rf"^{HUB_REV}$")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
-# S3 bucket names (the AWS rules, which MinIO, Ceph and R2 follow): 3-63 characters.
-S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+S3_BUCKET = re.compile(rf"^{S3_BUCKET_NAME}$")
+S3_PREFIX = re.compile(rf"^({REL_PATH})?$")
 
 # Top-level files the engine reads. Subfolders (original/, onnx/) are never fetched unless
 # a pattern names them.
@@ -65,21 +84,23 @@ def parse_source(model: str) -> HubSource | S3Source:
     if model.startswith(HF_SCHEME):
         rest = model[len(HF_SCHEME):]
         repo, at, revision = rest.partition("@")
-        if not HUB_REPO.match(repo) or "--" in repo or ".." in repo:
+        if not HUB_REPO.fullmatch(repo) or any(len(p) > 96 for p in repo.split("/")):
             raise ValueError(f"model={model!r}: expected hf://ORG/NAME[@REVISION] with a Hub "
                              "repository id such as meta-llama/Llama-3.1-8B-Instruct")
-        if at and (not HUB_REVISION.match(revision) or ".." in revision):
+        if at and (not HUB_REVISION.fullmatch(revision) or len(revision) > 255):
             raise ValueError(f"model={model!r}: the revision after '@' must be a branch, tag or "
-                             "commit (letters, digits, '.', '_', '-', '/')")
+                             "commit ('/'-separated parts of letters, digits, '.', '_', '-'; no "
+                             "empty, leading or trailing '/', no part starting or ending with '.')")
         return HubSource(repo, revision if at else "main")
     if model.startswith(S3_SCHEME):
         bucket, _, prefix = model[len(S3_SCHEME):].partition("/")
-        if not S3_BUCKET.match(bucket):
+        if not S3_BUCKET.fullmatch(bucket) or not 3 <= len(bucket) <= 63:
             raise ValueError(f"model={model!r}: expected s3://BUCKET/PREFIX with a bucket name of "
-                             "3-63 lowercase letters, digits, '.' and '-'")
-        prefix = prefix.rstrip("/")
-        if prefix.startswith("/") or "//" in prefix or any(p in (".", "..") for p in prefix.split("/")):
-            raise ValueError(f"model={model!r}: the prefix must not contain empty, '.' or '..' parts")
+                             "3-63 lowercase letters, digits, '.' and '-' (no '..')")
+        prefix = prefix[:-1] if prefix.endswith("/") else prefix
+        if not S3_PREFIX.fullmatch(prefix):
+            raise ValueError(f"model={model!r}: the prefix must not contain empty, '.' or '..' parts, "
+                             "'$', spaces or control characters")
         return S3Source(bucket, prefix)
     raise ValueError(f"model={model!r}: not an hf:// or s3:// source")
 

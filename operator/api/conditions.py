@@ -113,13 +113,25 @@ def merge_extra_conditions(prev: list[Condition], extra: list[Condition] | None,
             for c in extra if c.type not in CORE_CONDITIONS]
 
 
+def complete(c: Condition, generation: int | None, now: str) -> Condition:
+    """`c` with every field the CRD requires (status.CONDITION_REQUIRED): a condition read back
+    from an object written before they were required may lack some, and one missing field
+    would make the API server refuse the whole status write."""
+    return c.model_copy(update={
+        "observed_generation": c.observed_generation if c.observed_generation is not None else generation or 0,
+        "last_transition_time": c.last_transition_time or now, "reason": c.reason or "Unspecified",
+        "message": c.message or ""})
+
+
 def status_from(prev: LLMDeploymentStatus, rollout: Rollout, problems: list[Problem],
                 generation: int | None, extra_conditions: list[Condition] | None = None,
                 ready_note: str | None = None, **fields) -> LLMDeploymentStatus:
     """The next status: conditions, replica counts, and the given fields."""
     new = prev.model_copy(update=fields)
     new.observed_generation = generation
-    new.conditions = (compute_conditions(prev.conditions, rollout, problems, generation, ready_note=ready_note)
-                      + merge_extra_conditions(prev.conditions, extra_conditions, generation))
+    now = now_iso()
+    new.conditions = [complete(c, generation, now) for c in
+                      compute_conditions(prev.conditions, rollout, problems, generation, now, ready_note)
+                      + merge_extra_conditions(prev.conditions, extra_conditions, generation, now)]
     new.replicas, new.ready_replicas, new.updated_replicas = rollout.replicas, rollout.ready, rollout.updated
     return new

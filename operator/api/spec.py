@@ -6,26 +6,60 @@ CEL expressions attached with `json_schema_extra`; the API server evaluates
 them, and `validate_spec` repeats them for objects read back from it."""
 from __future__ import annotations
 
+import json
+import re
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 from pydantic.alias_generators import to_camel
 
 from ..names import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION  # noqa: F401  (the API's names)
+from kvpilot.engine.fetch.uri import (BUILTIN_NAME, DNS_SUBDOMAIN, HF_URI, REL_PATH,  # the parser's own pieces
+                                     S3_URI)
+
 PROJECT_VERSION = "0.1.0"
 DEFAULT_IMAGE = f"kvpilot/engine:{PROJECT_VERSION}"
+# Simulated pods (engine.simulate) run the operator's image: the server without torch.
+DEFAULT_SIMULATED_IMAGE = f"kvpilot/operator:{PROJECT_VERSION}"
 
 QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
-DURATION_PATTERN = r"^([0-9]+(ms|s|m|h))+$"
-MODEL_SOURCE_PATTERN = (r"^(builtin:[a-z0-9-]+|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|file:///.+|/.+"
-                        r"|hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?"
-                        r"|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?)$")
-URL_PATTERN = r"^https?://[^\s]+$"
-FILE_GLOB_PATTERN = r"^[^\s]{1,255}$"
+# Bounded digits: a duration the autotuner's parser reads without overflowing.
+DURATION_PATTERN = r"^([0-9]{1,6}(ms|s|m|h)){1,4}$"
+# Kubernetes expands $(VAR) in container args and env values (and reads $$ as a literal $):
+# a spec string that reaches them may not contain "$(", nor control characters. The builders
+# escape every "$" of a user's string as "$$" too, for objects stored before this rule.
+NO_EXPANSION = r"([^$\x00-\x1f\x7f]|\$+[^$(\x00-\x1f\x7f])*\$*"
+SAFE_TEXT_PATTERN = rf"^{NO_EXPANSION}$"
+# The model URIs, built from the pieces kvpilot.engine.fetch.uri parses them with.
+MODEL_SOURCE_PATTERN = (rf"^(builtin:{BUILTIN_NAME}|pvc://{DNS_SUBDOMAIN}(/|/{REL_PATH}/?)?|file:///{REL_PATH}/?"
+                        rf"|/{REL_PATH}/?|{HF_URI}|{S3_URI})$")
+# The lengths a pattern cannot bound (the Hub's 96-character names; S3's 3-63-character buckets).
+MODEL_SOURCE_LENGTHS = ("!has(self.source) || !self.source.startsWith('hf://') || "
+                        "self.source.matches('^hf://[^/@]{1,96}/[^/@]{1,96}(@.{1,255})?$')",
+                        "!has(self.source) || !self.source.startsWith('s3://') || "
+                        "self.source.matches('^s3://[^/]{3,63}(/.*)?$')")
+URL_PATTERN = r"^https?://[^$\x00-\x20\x7f]+$"
+FILE_GLOB_PATTERN = r"^[^$\x00-\x20\x7f]{1,255}$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN_PATTERN = rf"^{DNS_SUBDOMAIN}$"
 CONFIGMAP_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+# A served model name: what clients send as "model" (and a Prometheus label value).
+SERVED_NAME_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._:/@+-]*[A-Za-z0-9])?$"
 # A draft model: builtin:NAME, or a path inside the image or the model volume (/models for pvc://).
-DRAFT_MODEL_PATTERN = r"^(builtin:[a-z0-9-]+|file:///.+|/.+)$"
+DRAFT_MODEL_PATTERN = rf"^(builtin:{BUILTIN_NAME}|file:///{REL_PATH}|/{REL_PATH})$"
+# Byte sizes both Kubernetes and the engine's parser (engine/config/quantity.py) read, from 1 MB up:
+# a bare count of at least 7 digits, or a mantissa with a binary or decimal suffix.
+BYTES_PATTERN = r"^([1-9][0-9]{6,15}|[1-9][0-9]{0,4}(\.[0-9]{1,3})?(Mi|Gi|Ti|M|G|T))$"
+BYTES_MIN, BYTES_MAX = 10**6, 2**50
+# CPU: cores (0.5, 2) or millicores (500m); never zero or negative.
+CPU_PATTERN = r"^([1-9][0-9]{0,3}(\.[0-9]{1,3})?|0\.[0-9]{0,2}[1-9][0-9]{0,2}|[1-9][0-9]{0,6}m)$"
+# Kubernetes label keys (qualified names) and values; annotation keys are qualified names too.
+LABEL_KEY = (rf"({DNS_SUBDOMAIN}/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+LABEL_KEY_PATTERN = rf"^{LABEL_KEY}$"
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+# An image reference: [registry[:port]/]path[:tag][@digest], no spaces or '$'.
+IMAGE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$"
+EXTENDED_RESOURCE_PATTERN = rf"^{DNS_SUBDOMAIN}/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 MAX_SPECULATIVE_TOKENS = 16  # the engine's limit (engine/config/speculative.py)
 PROMPT_LOOKUP_DEFAULTS = (1, 4)  # the engine's (min, max) when the spec leaves them out
 # A positive number (no zero: the engine rejects it), then the distributions `kvpilot serve
@@ -40,7 +74,18 @@ SimulatedModel = Literal["llama-3.1-8b", "llama-3.1-70b", "qwen2.5-7b", "mistral
 SimulatedInterconnect = Literal["nvlink4", "nvlink3", "pcie5", "pcie4"]
 MAX_PARALLEL_SIZE = 16  # the engine's (engine/config/engine.py) and resources.gpus' limit
 
-Quantity = Union[int, str]  # rendered as int-or-string with the Kubernetes quantity pattern
+
+
+def quantity(pattern: str, lo: int, hi: int) -> type:
+    """An int-or-string Kubernetes quantity: an integer in [lo, hi] or a string matching
+    `pattern` (crd.py renders both branches' bounds on one x-kubernetes-int-or-string node)."""
+    return Union[Annotated[StrictInt, Field(ge=lo, le=hi)], Annotated[StrictStr, Field(pattern=pattern, max_length=24)]]
+
+
+Bytes = quantity(BYTES_PATTERN, BYTES_MIN, BYTES_MAX)
+Cpu = quantity(CPU_PATTERN, 1, 1024)
+SafeText = Annotated[str, Field(pattern=SAFE_TEXT_PATTERN, max_length=1024)]
+LabelKey = Annotated[str, Field(pattern=LABEL_KEY_PATTERN, max_length=316)]
 
 
 def rule(expr: str, message: str, field_path: str | None = None) -> dict:
@@ -60,17 +105,21 @@ class Model(BaseModel):
 
 
 class SecretKeyRef(Model):
-    name: str = Field(pattern=DNS_LABEL_PATTERN, max_length=253)
-    key: str = Field(min_length=1, max_length=253)
+    """A key of a Secret in the LLMDeployment's namespace."""
+    name: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253, description="The Secret's name.")
+    key: str = Field(pattern=CONFIGMAP_KEY_PATTERN, max_length=253, description="The key in the Secret's data.")
 
 
 class HubTokenRef(Model):
-    name: str = Field(pattern=DNS_LABEL_PATTERN, max_length=253)
-    key: str = Field(default="HF_TOKEN", min_length=1, max_length=253)
+    """The Secret key holding a Hugging Face token."""
+    name: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253, description="The Secret's name.")
+    key: str = Field(default="HF_TOKEN", pattern=CONFIGMAP_KEY_PATTERN, max_length=253,
+                     description="The key in the Secret's data.")
 
 
 class SecretRef(Model):
-    name: str = Field(pattern=DNS_LABEL_PATTERN, max_length=253)
+    """A Secret in the LLMDeployment's namespace."""
+    name: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253, description="The Secret's name.")
 
 
 class HubOptions(Model):
@@ -89,7 +138,7 @@ class S3Options(Model):
     endpoint: Optional[str] = Field(
         default=None, pattern=URL_PATTERN, max_length=512,
         description="The store's URL (AWS_ENDPOINT_URL), e.g. http://minio.storage:9000; default AWS.")
-    region: Optional[str] = Field(default=None, pattern=r"^[a-z0-9-]{1,64}$",
+    region: Optional[str] = Field(default=None, pattern=r"^[a-z0-9-]{1,64}$", max_length=64,
                                   description="AWS_REGION; default us-east-1.")
     path_style: bool = Field(default=False, description="Path-style addressing (MinIO and most "
                                                         "self-hosted stores need it).")
@@ -99,14 +148,24 @@ class S3Options(Model):
 
 
 class ModelCache(Model):
+    """Where an hf:// or s3:// model is downloaded to."""
     claim_name: Optional[str] = Field(
-        default=None, pattern=DNS_LABEL_PATTERN, max_length=253,
+        default=None, pattern=DNS_SUBDOMAIN_PATTERN, max_length=253,
         description="A PersistentVolumeClaim that holds downloaded models, shared by replicas and "
                     "restarts (ReadWriteMany for pods on several nodes); default: an emptyDir per pod.")
+    size_limit: Optional[Bytes] = Field(
+        default=None,
+        description="The emptyDir cache's sizeLimit and the pods' ephemeral-storage request (e.g. "
+                    "40Gi); default: the hf:// model's files plus 10% and 1Gi, or 20Gi for s3://. "
+                    "Unused with claimName.")
 
 
 class ModelSource(Model):
+    """What to serve: where the weights come from and the name clients ask for."""
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        rule(MODEL_SOURCE_LENGTHS[0], "model.source: a Hub organisation or name is at most 96 "
+             "characters, a revision at most 255", ".source"),
+        rule(MODEL_SOURCE_LENGTHS[1], "model.source: an S3 bucket name is 3-63 characters", ".source"),
         rule("!has(self.hf) || (has(self.source) && self.source.startsWith('hf://'))",
              "model.hf applies to hf:// sources only", ".hf"),
         rule("!has(self.s3) || (has(self.source) && self.source.startsWith('s3://'))",
@@ -122,11 +181,13 @@ class ModelSource(Model):
                     "pvc://CLAIM/PATH (mounted read-only at /models), file:///PATH or /PATH (a "
                     "path inside the image). Required unless engine.simulate is set.")
     served_name: Optional[str] = Field(
-        default=None, max_length=253,
-        description="The model name clients send; defaults to the LLMDeployment's name.")
-    hf: Optional[HubOptions] = None
-    s3: Optional[S3Options] = None
-    cache: Optional[ModelCache] = None
+        default=None, pattern=SERVED_NAME_PATTERN, max_length=253,
+        description="The model name clients send (letters, digits and . _ : / @ + -); defaults to "
+                    "the LLMDeployment's name.")
+    hf: Optional[HubOptions] = Field(default=None, description="Options for an hf:// source.")
+    s3: Optional[S3Options] = Field(default=None, description="Options for an s3:// source.")
+    cache: Optional[ModelCache] = Field(default=None, description="Where an hf:// or s3:// model is "
+                                                                  "downloaded to.")
     files: list[Annotated[str, Field(pattern=FILE_GLOB_PATTERN, max_length=255)]] = Field(
         default_factory=list, max_length=32,
         description="More files to download from hf:// or s3:// (globs such as 'original/*' or "
@@ -134,8 +195,10 @@ class ModelSource(Model):
 
 
 class ConfigMapKeyRef(Model):
-    name: str = Field(pattern=DNS_LABEL_PATTERN, max_length=253)
-    key: str = Field(default="config.json", pattern=CONFIGMAP_KEY_PATTERN, max_length=253)
+    """A key of a ConfigMap in the LLMDeployment's namespace."""
+    name: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253, description="The ConfigMap's name.")
+    key: str = Field(default="config.json", pattern=CONFIGMAP_KEY_PATTERN, max_length=253,
+                     description="The key in the ConfigMap's data.")
 
 
 SIMULATE_NEEDS_MODEL = ("engine.simulate needs model (a preset such as llama-3.1-8b) or modelConfigMap "
@@ -170,6 +233,39 @@ class SimulateSpec(Model):
         default=None, description="With more than one GPU an engine (tensor parallelism): the link its "
                                   "all-reduces cross, nvlink4 (H100/H200 SXM), nvlink3 (A100 SXM), pcie5 "
                                   "or pcie4; default the accelerator's.")
+
+
+# `kvpilot serve`'s flags, split in two (tests/operator/api/test_spec_validation.py keeps them equal to the
+# engine's parser): those the operator sets or the spec owns (extraArgs may not restate them,
+# in any form: a later --api-key "" would switch authentication off), and the rest, which
+# extraArgs may set. Anything else (an abbreviation, -h, a typo) would make the engine exit.
+OWNED_FLAGS = ("--api-key", "--block-size", "--drain-timeout", "--dtype", "--enable-prefix-caching",
+               "--gpu-memory-utilization", "--help", "--host", "--kv-cache-dtype", "--kv-cache-memory",
+               "--max-model-len", "--max-num-batched-tokens", "--max-num-seqs", "--model",
+               "--no-enable-prefix-caching", "--pipeline-parallel-size", "--port", "--quantization",
+               "--served-model-name", "--simulate", "--simulate-interconnect", "--simulate-load-seconds",
+               "--simulate-model", "--simulate-output-len", "--speculative-config", "--tensor-parallel-size",
+               "--tuning-file", "-h")
+EXTRA_FLAGS = ("--attention-backend", "--body-read-timeout", "--cpu-threads", "--device",
+               "--disable-uvicorn-access-log", "--enforce-eager", "--header-read-timeout",
+               "--max-queued-requests", "--max-request-body-bytes", "--no-enforce-eager",
+               "--pipeline-micro-batches", "--record-steps", "--seed", "--simulate-bandwidth-gbps",
+               "--simulate-calibration", "--simulate-memory", "--simulate-spec-acceptance",
+               "--simulate-spec-draft-cost", "--simulate-tflops")
+# An item starting with '-' (but not a negative number) is a flag: one of EXTRA_FLAGS, alone or
+# as FLAG=VALUE.
+EXTRA_ARG_RULE = ("self.all(a, !a.startsWith('-') || a.matches('^-[0-9.]') || a in %s || "
+                  "%s.exists(f, a.startsWith(f + '=')))" % (list(EXTRA_FLAGS), list(EXTRA_FLAGS)))
+EXTRA_ARG_MESSAGE = ("engine.extraArgs may set only flags the spec does not own, as --flag, --flag=value or "
+                     "--flag value (the operator owns --model, --host, --port, --api-key, --served-model-name, "
+                     "--tuning-file and every flag a spec field sets)")
+
+
+def extra_arg_flag_ok(arg: str) -> bool:
+    """EXTRA_ARG_RULE in Python."""
+    if not arg.startswith("-") or re.match(r"-[0-9.]", arg):
+        return True
+    return arg.partition("=")[0] in EXTRA_FLAGS
 
 
 PARALLEL_USES_ALL_GPUS = ("engine.tensorParallelSize x engine.pipelineParallelSize must equal resources.gpus "
@@ -226,6 +322,8 @@ class SpeculativeSpec(Model):
 
 
 class EngineSpec(Model):
+    """How the engine (`kvpilot serve`) starts: its image, its static settings and the
+    initial values of the live ones."""
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         rule("!(has(self.kvCacheMemory) && has(self.gpuMemoryUtilization))",
              "engine.kvCacheMemory and engine.gpuMemoryUtilization are mutually exclusive"),
@@ -235,24 +333,54 @@ class EngineSpec(Model):
              "engine.kvCacheDtype fp8 is not modelled by engine.simulate", ".kvCacheDtype"),
         rule("!has(self.pipelineParallelSize) || self.pipelineParallelSize == 1 || !has(self.simulate)",
              PIPELINE_NOT_SIMULATED, ".pipelineParallelSize"),
+        rule(f"!has(self.extraArgs) || {EXTRA_ARG_RULE.replace('self.all', 'self.extraArgs.all')}",
+             EXTRA_ARG_MESSAGE, ".extraArgs"),
     ]})
-    image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=512)
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    image: Optional[str] = Field(
+        default=None, pattern=IMAGE_PATTERN, max_length=512,
+        description="The engine image; default: the operator's (its --engine-image, the chart's "
+                    "engine.image), so `helm upgrade` rolls the engine pods to the new version.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="The engine container's imagePullPolicy.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="The weights' and activations' type (the engine's --dtype); auto: "
+                                    "the checkpoint's.")
     max_num_seqs: int = Field(default=64, ge=1, le=4096,
                               description="Initial max_num_seqs (live-tunable).")
     max_model_len: int = Field(default=2048, ge=16, le=1048576,
                                description="Initial max_model_len (live-tunable).")
-    max_num_batched_tokens: int = Field(default=2048, ge=16, le=1048576)
-    block_size: Literal[8, 16, 32, 64] = 16
-    kv_cache_memory: Optional[Quantity] = Field(
-        default=None, description="KV cache bytes (a quantity such as 64Mi); CPU pods default to 1Gi.")
-    gpu_memory_utilization: Optional[float] = Field(default=None, gt=0, le=1)
-    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = Field(default=2048, ge=16, le=1048576,
+                                        description="Tokens one engine step may process (the engine's "
+                                                    "--max-num-batched-tokens).")
+    block_size: Literal[8, 16, 32, 64] = Field(default=16, description="Tokens per KV cache block.")
+    kv_cache_memory: Optional[Bytes] = Field(
+        default=None, description="KV cache bytes: a count of at least 1000000 or a quantity such as "
+                                  "512Mi or 2Gi (Mi, Gi, Ti, M, G, T); CPU pods default to their memory "
+                                  "less 768Mi, within [64Mi, 1Gi].")
+    gpu_memory_utilization: Optional[float] = Field(
+        default=None, gt=0, le=1, description="The share of GPU memory the engine may use (weights, "
+                                              "activations and KV cache); the engine's default 0.9.")
+    enable_prefix_caching: bool = Field(default=True, description="Reuse the KV cache of shared "
+                                                                  "prompt prefixes.")
     api_key_secret_ref: Optional[SecretKeyRef] = Field(
         default=None, description="Secret key holding the API key clients must send.")
-    extra_args: list[str] = Field(default_factory=list, max_length=64,
-                                  description="More `kvpilot serve` flags (non-live).")
+    extra_args: list[SafeText] = Field(
+        default_factory=list, max_length=32,
+        description="More `kvpilot serve` flags (non-live), as --flag, --flag=value or --flag value: "
+                    "only flags the spec does not own (see docs/kubernetes.md); no '$(' (Kubernetes "
+                    "would expand it).")
+    @field_validator("extra_args")
+    @classmethod
+    def _extra_args(cls, v: list[str]) -> list[str]:
+        bad = [a for a in v if not extra_arg_flag_ok(a)]
+        if bad:
+            raise ValueError(f"{EXTRA_ARG_MESSAGE}; got {bad[0]!r}")
+        return v
+
+    drain_timeout_seconds: int = Field(
+        default=30, ge=0, le=3600,
+        description="Seconds a stopping engine lets requests in flight finish (the engine's "
+                    "--drain-timeout); the pods' terminationGracePeriodSeconds is derived from it.")
     simulate: Optional[SimulateSpec] = Field(
         default=None, description="Run on a simulated accelerator instead of a GPU (pods still "
                                   "request resources.gpus, so they schedule like GPU pods).")
@@ -281,14 +409,22 @@ class EngineSpec(Model):
 
 
 class Resources(Model):
+    """What each replica's pod requests."""
     gpus: int = Field(default=0, ge=0, le=MAX_PARALLEL_SIZE,
-                      description="nvidia.com/gpu per replica, all for one engine: by default "
+                      description="GPUs per replica (gpuResourceName), all for one engine: by default "
                                   "--tensor-parallel-size resources.gpus (see engine.tensorParallelSize).")
-    cpu: Quantity = "1"
-    memory: Quantity = "2Gi"
+    gpu_resource_name: Optional[str] = Field(
+        default=None, pattern=EXTENDED_RESOURCE_PATTERN, max_length=253,
+        description="The extended resource GPUs are requested as (nvidia.com/gpu, amd.com/gpu, "
+                    "gpu.intel.com/i915, ...); default: the operator's (--gpu-resource-name), else "
+                    "nvidia.com/gpu.")
+    cpu: Cpu = Field(default="1", description="CPU request: cores (2, 0.5) or millicores (500m).")
+    memory: Bytes = Field(default="2Gi", description="Memory request and limit (e.g. 2Gi; at least 1M).")
 
 
 class Autoscaling(Model):
+    """Replica bounds for the autotuner (mode Auto) and the HorizontalPodAutoscaler's scale
+    subresource."""
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         rule("self.minReplicas <= self.maxReplicas",
              "autoscaling.minReplicas must be <= autoscaling.maxReplicas", ".minReplicas"),
@@ -296,18 +432,20 @@ class Autoscaling(Model):
     min_replicas: int = Field(default=1, ge=0, le=1000, description=(
         "0 lets the autotuner (mode Auto) scale an idle deployment to zero after scaleToZeroAfter; "
         "kvpilot's gateway holds a request for it and scales it back to one."))
-    max_replicas: int = Field(default=4, ge=1, le=1000)
-    scale_to_zero_after: str = Field(default="15m", pattern=DURATION_PATTERN, description=(
+    max_replicas: int = Field(default=4, ge=1, le=1000, description="The most replicas the autotuner "
+                                                                    "scales to.")
+    scale_to_zero_after: str = Field(default="15m", pattern=DURATION_PATTERN, max_length=32, description=(
         "With minReplicas 0: how long without a request (and with every pod up at least this long) "
         "before the autotuner scales the deployment to zero."))
 
 
 class IntRange(Model):
+    """Bounds the autotuner moves a setting within."""
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         rule("self.min <= self.max", "min must be <= max", ".min"),
     ]})
-    min: int = Field(ge=1, le=1048576)
-    max: int = Field(ge=1, le=1048576)
+    min: int = Field(ge=1, le=1048576, description="The least value.")
+    max: int = Field(ge=1, le=1048576, description="The most value.")
 
 
 class SpecTokensRange(Model):
@@ -321,34 +459,49 @@ class SpecTokensRange(Model):
                                description="Default and upper limit: engine.speculative.numSpeculativeTokens.")
 
 
+# kube-prometheus-stack in namespace monitoring: the Prometheus Operator's governing Service of
+# every Prometheus it runs, whatever the release's name.
+DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
+
+
 class PrometheusSpec(Model):
-    url: str = Field(default="http://prometheus.monitoring.svc:9090", pattern=r"^https?://.+",
-                     max_length=1024)
+    """The Prometheus the autotuner reads the engine metrics from."""
+    url: Optional[str] = Field(
+        default=None, pattern=URL_PATTERN, max_length=1024,
+        description="Prometheus's base URL; default: the operator's (the chart's engine.prometheusURL), "
+                    f"else {DEFAULT_PROMETHEUS_URL} (kube-prometheus-stack in namespace monitoring).")
 
 
 class Objectives(Model):
+    """Service-level objectives the autotuner tunes for."""
     tpot: Optional[str] = Field(
-        default=None, pattern=DURATION_PATTERN,
+        default=None, pattern=DURATION_PATTERN, max_length=32,
         description="TPOT objective: p95 over requests of each request's mean time per output "
                     "token (e.g. 50ms). Set, the autotuner narrows the batch (max_num_seqs) when "
                     "TPOT p95 exceeds it and never widens it past it; unset, TPOT is not tuned for.")
 
 
 class AutotuneSpec(Model):
+    """The autotuner: what it may change, how often, and from which metrics."""
     mode: Literal["Off", "Recommend", "Auto"] = Field(
         default="Off", description="Off: spec values; Recommend: report only; Auto: apply within bounds.")
-    interval: str = Field(default="30s", pattern=DURATION_PATTERN)
-    window: str = Field(default="5m", pattern=DURATION_PATTERN,
+    interval: str = Field(default="30s", pattern=DURATION_PATTERN, max_length=32,
+                          description="Time between two diagnoses (e.g. 30s, 1m30s).")
+    window: str = Field(default="5m", pattern=DURATION_PATTERN, max_length=32,
                         description="Metrics window the diagnosis reads.")
-    cooldown: str = Field(default="2m", pattern=DURATION_PATTERN,
+    cooldown: str = Field(default="2m", pattern=DURATION_PATTERN, max_length=32,
                           description="Minimum time between two changes.")
-    prometheus: PrometheusSpec = Field(default_factory=PrometheusSpec)
-    max_num_seqs: IntRange = Field(default_factory=lambda: IntRange(min=1, max=1024))
-    max_model_len: IntRange = Field(default_factory=lambda: IntRange(min=128, max=32768))
+    prometheus: PrometheusSpec = Field(default_factory=PrometheusSpec,
+                                       description="Where the engine metrics are read from.")
+    max_num_seqs: IntRange = Field(default_factory=lambda: IntRange(min=1, max=1024),
+                                   description="Bounds of the live max_num_seqs.")
+    max_model_len: IntRange = Field(default_factory=lambda: IntRange(min=128, max=32768),
+                                    description="Bounds of the live max_model_len (min is also the "
+                                                "engine's start-up floor).")
     num_speculative_tokens: Optional[SpecTokensRange] = Field(
         default=None, description="Bounds of num_speculative_tokens (with engine.speculative; default "
                                   "[0, engine.speculative.numSpeculativeTokens]).")
-    objectives: Objectives = Field(default_factory=Objectives)
+    objectives: Objectives = Field(default_factory=Objectives, description="Objectives to tune for.")
     shared_prefix: bool = Field(
         default=False,
         description="Prompts share a prefix (a system prompt, a few-shot header): enables the "
@@ -361,23 +514,93 @@ class AutotuneSpec(Model):
 
 
 class Toleration(Model):
-    key: Optional[str] = None
-    operator: Optional[Literal["Exists", "Equal"]] = None
-    value: Optional[str] = None
-    effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = None
-    toleration_seconds: Optional[int] = None
+    """A core/v1 Toleration."""
+    key: Optional[str] = Field(default=None, pattern=LABEL_KEY_PATTERN, max_length=316,
+                               description="The taint key; empty with operator Exists: every taint.")
+    operator: Optional[Literal["Exists", "Equal"]] = Field(default=None, description="Default Equal.")
+    value: Optional[str] = Field(default=None, pattern=LABEL_VALUE_PATTERN, max_length=63,
+                                 description="The taint value (operator Equal).")
+    effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = Field(
+        default=None, description="The taint effect matched; empty: all.")
+    toleration_seconds: Optional[int] = Field(default=None, ge=0, le=31536000,
+                                              description="NoExecute: how long the pod stays once tainted.")
+
+
+_TWO = {"maxProperties": 2}  # each part has two fields: required and preferred terms
+
+
+class Affinity(Model):
+    """A core/v1 Affinity; each part passed through as written."""
+    model_config = ConfigDict(extra="forbid")
+    node_affinity: Optional[dict] = Field(default=None, description="A core/v1 NodeAffinity.",
+                                          json_schema_extra=_TWO)
+    pod_affinity: Optional[dict] = Field(default=None, description="A core/v1 PodAffinity.",
+                                         json_schema_extra=_TWO)
+    pod_anti_affinity: Optional[dict] = Field(default=None, description="A core/v1 PodAntiAffinity.",
+                                              json_schema_extra=_TWO)
+
+    @field_validator("node_affinity", "pod_affinity", "pod_anti_affinity")
+    @classmethod
+    def _bounded(cls, v: Optional[dict]) -> Optional[dict]:
+        if v is not None and len(json.dumps(v)) > 16384:
+            raise ValueError("at most 16 KiB")
+        return v
+
+
+# A map's keys are checked for length only at the API server: the CEL cost estimator takes an
+# unbounded length for map keys, so a regex over them would exceed the CRD's cost budget. Their
+# form (a qualified name) is checked by pydantic, and by the API server on the pods themselves.
+LabelMap = Annotated[dict[LabelKey, Annotated[str, Field(pattern=LABEL_VALUE_PATTERN, max_length=63)]],
+                     Field(max_length=32)]
+AnnotationMap = Annotated[dict[LabelKey, Annotated[str, Field(max_length=4096)]], Field(max_length=32)]
 
 
 class Scheduling(Model):
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[Toleration] = Field(default_factory=list)
-    affinity: Optional[dict] = Field(default=None, description="A core/v1 Affinity, passed through.")
-    priority_class_name: Optional[str] = None
+    """Where the engine pods may run (default: the operator's, from the chart's engine values)."""
+    node_selector: LabelMap = Field(default_factory=dict, description="Node labels the pods require.")
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32,
+                                          description="Taints the pods tolerate (e.g. nvidia.com/gpu).")
+    affinity: Optional[Affinity] = Field(default=None, description=Affinity.__doc__)
+    priority_class_name: Optional[str] = Field(default=None, pattern=DNS_SUBDOMAIN_PATTERN, max_length=253,
+                                               description="The pods' PriorityClass.")
+
+
+class PodSecurity(Model):
+    """The engine pods' security context. Given, it replaces the operator's default (run as
+    65532, fsGroup 65532) whole: OpenShift's restricted SCC wants {runAsNonRoot: true} alone,
+    so that it assigns the ids."""
+    run_as_user: Optional[int] = Field(default=None, ge=1, le=2**31 - 1, description="The UID (never 0).")
+    run_as_group: Optional[int] = Field(default=None, ge=0, le=2**31 - 1, description="The GID.")
+    fs_group: Optional[int] = Field(default=None, ge=0, le=2**31 - 1,
+                                    description="The group volumes are made writable for.")
+    supplemental_groups: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] = Field(
+        default_factory=list, max_length=16, description="More groups the containers run with.")
+    run_as_non_root: bool = Field(default=True, description="Refuse images that would run as root.")
+    seccomp_profile_type: Literal["RuntimeDefault", "Localhost", "Unconfined"] = Field(
+        default="RuntimeDefault", description="The seccomp profile (pod level and each container).")
+
+
+class PodSettings(Model):
+    """The engine pods' identity and metadata (default: the operator's, from the chart's
+    engine values; a per-LLMDeployment value replaces it, maps are merged)."""
+    image_pull_secrets: list[Annotated[str, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)]] = Field(
+        default_factory=list, max_length=16, description="Names of docker-registry Secrets the engine "
+                                                         "image is pulled with (private registries).")
+    service_account_name: Optional[str] = Field(
+        default=None, pattern=DNS_SUBDOMAIN_PATTERN, max_length=253,
+        description="The pods' ServiceAccount (IRSA, Workload Identity); its token is mounted only "
+                    "when this is set. Default: the namespace's default, without a token.")
+    annotations: AnnotationMap = Field(default_factory=dict, description="Extra pod annotations.")
+    labels: LabelMap = Field(default_factory=dict, description="Extra pod labels (the operator's own "
+                                                               "selector labels win).")
+    security_context: Optional[PodSecurity] = Field(default=None, description=PodSecurity.__doc__)
 
 
 class ServiceSpec(Model):
-    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
-    port: int = Field(default=8000, ge=1, le=65535)
+    """The Service in front of the engine pods."""
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(default="ClusterIP",
+                                                                   description="The Service type.")
+    port: int = Field(default=8000, ge=1, le=65535, description="The Service port.")
 
 
 SPEC_BOUNDS_NEED_SPECULATIVE = "autotune.numSpeculativeTokens needs engine.speculative"
@@ -386,6 +609,7 @@ SPEC_BOUNDS_WITHIN_K = ("autotune.numSpeculativeTokens [min, max] may not exceed
 
 
 class LLMDeploymentSpec(Model):
+    """What to serve, how to start the engine, and the bounds the autotuner may move within."""
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         rule("self.autotune.mode == 'Off' || (self.engine.maxNumSeqs >= self.autotune.maxNumSeqs.min"
              " && self.engine.maxNumSeqs <= self.autotune.maxNumSeqs.max)",
@@ -412,14 +636,71 @@ class LLMDeploymentSpec(Model):
              "self.autotune.numSpeculativeTokens.max <= self.engine.speculative.numSpeculativeTokens))",
              SPEC_BOUNDS_WITHIN_K, ".autotune.numSpeculativeTokens"),
     ]})
-    model: ModelSource
-    engine: EngineSpec = Field(default_factory=EngineSpec)
-    resources: Resources = Field(default_factory=Resources)
-    replicas: int = Field(default=1, ge=0, le=1000)
-    autoscaling: Autoscaling = Field(default_factory=Autoscaling)
-    autotune: AutotuneSpec = Field(default_factory=AutotuneSpec)
+    model: ModelSource = Field(description=ModelSource.__doc__)
+    engine: EngineSpec = Field(default_factory=EngineSpec, description=EngineSpec.__doc__)
+    resources: Resources = Field(default_factory=Resources, description=Resources.__doc__)
+    replicas: int = Field(default=1, ge=0, le=1000, description="Engine pods (the scale subresource; "
+                                                                "the autotuner's in mode Auto).")
+    autoscaling: Autoscaling = Field(default_factory=Autoscaling, description=Autoscaling.__doc__)
+    autotune: AutotuneSpec = Field(default_factory=AutotuneSpec, description=AutotuneSpec.__doc__)
+    scheduling: Scheduling = Field(default_factory=Scheduling, description=Scheduling.__doc__)
+    pod: PodSettings = Field(default_factory=PodSettings, description=PodSettings.__doc__)
+    service: ServiceSpec = Field(default_factory=ServiceSpec, description=ServiceSpec.__doc__)
+
+
+DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
+DEFAULTS_ENV = "KVPILOT_ENGINE_DEFAULTS"  # the operator's OperatorDefaults as JSON (the CLI sets it)
+
+
+class OperatorDefaults(Model):
+    """What the operator fills in where an LLMDeployment leaves a field out (`kvpilot operator
+    --engine-image`, `--engine-defaults`; the chart's engine values): read at each reconcile,
+    so `helm upgrade` reaches every engine pod."""
+    engine_image: Optional[str] = Field(default=None, pattern=IMAGE_PATTERN, max_length=512)
+    simulated_image: Optional[str] = Field(default=None, pattern=IMAGE_PATTERN, max_length=512)
+    gpu_resource_name: Optional[str] = Field(default=None, pattern=EXTENDED_RESOURCE_PATTERN, max_length=253)
+    prometheus_url: Optional[str] = Field(default=None, pattern=URL_PATTERN, max_length=1024)
+    pod: PodSettings = Field(default_factory=PodSettings)
     scheduling: Scheduling = Field(default_factory=Scheduling)
-    service: ServiceSpec = Field(default_factory=ServiceSpec)
+
+    @classmethod
+    def from_env(cls, environ: dict) -> "OperatorDefaults":
+        text = environ.get(DEFAULTS_ENV, "").strip()
+        return cls.model_validate_json(text) if text else cls()
+
+
+def engine_image(spec: LLMDeploymentSpec, d: OperatorDefaults | None = None) -> str:
+    """The engine container's image: the spec's, else the operator's (a simulated engine runs
+    the torch-free operator image, a real one the engine image)."""
+    d = d or OperatorDefaults()
+    if spec.engine.image:
+        return spec.engine.image
+    if spec.engine.simulate is not None:
+        return d.simulated_image or DEFAULT_SIMULATED_IMAGE
+    return d.engine_image or DEFAULT_IMAGE
+
+
+def with_defaults(spec: LLMDeploymentSpec, d: OperatorDefaults) -> LLMDeploymentSpec:
+    """`spec` with the operator's defaults where it names nothing: scalars and lists are
+    replaced whole, annotations and labels merged (the spec's win)."""
+    e, r, p, s, at = spec.engine, spec.resources, spec.pod, spec.scheduling, spec.autotune
+    url = at.prometheus.url or d.prometheus_url or DEFAULT_PROMETHEUS_URL
+    return spec.model_copy(update={
+        "autotune": at.model_copy(update={"prometheus": at.prometheus.model_copy(update={"url": url})}),
+        "engine": e.model_copy(update={"image": engine_image(spec, d)}),
+        "resources": r.model_copy(update={
+            "gpu_resource_name": r.gpu_resource_name or d.gpu_resource_name or DEFAULT_GPU_RESOURCE}),
+        "pod": p.model_copy(update={
+            "image_pull_secrets": p.image_pull_secrets or d.pod.image_pull_secrets,
+            "service_account_name": p.service_account_name or d.pod.service_account_name,
+            "annotations": {**d.pod.annotations, **p.annotations}, "labels": {**d.pod.labels, **p.labels},
+            "security_context": p.security_context or d.pod.security_context}),
+        "scheduling": s.model_copy(update={
+            "node_selector": s.node_selector or d.scheduling.node_selector,
+            "tolerations": s.tolerations or d.scheduling.tolerations,
+            "affinity": s.affinity or d.scheduling.affinity,
+            "priority_class_name": s.priority_class_name or d.scheduling.priority_class_name}),
+    })
 
 
 class InvalidSpec(ValueError):
@@ -456,9 +737,27 @@ def validate_spec(spec: LLMDeploymentSpec) -> None:
             raise InvalidSpec(f"engine.kvCacheDtype {e.kv_cache_dtype} is not modelled by engine.simulate")
     if e.speculative is not None:
         validate_speculative(e.speculative)
+    if e.extra_args:
+        validate_extra_args(e.extra_args)
     validate_spec_bounds(spec)
     from ..manifests.parallel import validate_parallel
     validate_parallel(spec)
+
+
+def validate_extra_args(extra: list[str]) -> None:
+    """engine.extraArgs as `kvpilot serve`'s own parser reads them (it loads no torch): a
+    value it would refuse at start ("--seed abc", a flag without its value) is refused here,
+    not crash-looped in a pod."""
+    import argparse
+
+    from kvpilot.engine.server.cli import add_parser
+
+    class Refusing(argparse.ArgumentParser):
+        def error(self, message):  # argparse's own: print usage, exit 2
+            raise InvalidSpec(f"engine.extraArgs: kvpilot serve would refuse them: {message}")
+
+    serve = add_parser(Refusing(prog="kvpilot").add_subparsers())
+    serve.parse_args(["--model", "builtin:tiny", *extra])
 
 
 def validate_speculative(sp: SpeculativeSpec) -> None:

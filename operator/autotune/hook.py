@@ -41,7 +41,7 @@ from typing import Any, Callable, Protocol
 from ..runtime import metrics
 from ..manifests.objects import INSTANCE_LABEL
 from .context import AutotuneContext, AutotuneOutcome
-from ..api.spec import GROUP, KIND, VERSION, LLMDeploymentSpec, spec_tokens_bounds
+from ..api.spec import DEFAULT_PROMETHEUS_URL, GROUP, KIND, VERSION, LLMDeploymentSpec, spec_tokens_bounds
 from ..api.status import AutotuneStatus, Condition, Effective
 from .advice import restart_advice
 from .capacity import CapacityPlan, plan_capacity
@@ -187,13 +187,13 @@ def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None 
     snap: Snapshot | None = None
     read_error: Exception | None = None
     try:
-        reader = (reader_factory or default_reader)(at.prometheus.url)
+        reader = (reader_factory or default_reader)((at.prometheus.url or DEFAULT_PROMETHEUS_URL))
         snap = reader.snapshot(owner.namespace, owner.name, parse_duration(at.window))
     except Exception as e:  # Prometheus down, refusing or answering garbage: no data, never a guess
         read_error = e
         log.warning("autotune %s/%s: reading Prometheus failed: %s", owner.namespace, owner.name, e)
         decision = Decision(now, Diagnosis.NO_DATA, Action.HOLD,
-                            f"no decision: reading Prometheus at {at.prometheus.url} failed: {e}")
+                            f"no decision: reading Prometheus at {(at.prometheus.url or DEFAULT_PROMETHEUS_URL)} failed: {e}")
     plan = capacity_plan(snap, current)
     if snap is not None:
         history = history.observe(observation(snap, current.replicas))
@@ -237,7 +237,7 @@ def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None 
 
     conditions = _keep_previous(ctx, {PREFIX_CONDITION: _prefix_conditions(ctx, snap, thresholds),
                                       TUNING_CONDITION: _tuning_condition(ctx, snap, current, now),
-                                      METRICS_CONDITION: [metrics_condition(at.prometheus.url, snap, read_error)]})
+                                      METRICS_CONDITION: [metrics_condition((at.prometheus.url or DEFAULT_PROMETHEUS_URL), snap, read_error)]})
     return AutotuneOutcome(report=report, proposed=proposed, conditions=conditions, announce=announce)
 
 

@@ -9,12 +9,13 @@ import json
 
 from kvpilot.engine.config.quantity import parse_bytes
 
-from .model_download import MODEL_CACHE_VOLUME, cache_volume, init_container, pinned_source, remote_source
+from .model_download import (MODEL_CACHE_VOLUME, cache_size, cache_volume, init_container, literal, pinned_source,
+                             remote_source)
 from .objects import (HTTP_PORT, TUNING_DIR, TUNING_FILE, Owner, metadata, selector_labels,
                       tuning_configmap_name)
 from .parallel import parallel_args, parallel_sizes
 from .simulate import SIMULATED_LABEL, sim_model_projection, simulate_args
-from ..api.spec import LLMDeploymentSpec
+from ..api.spec import DEFAULT_GPU_RESOURCE, LLMDeploymentSpec, engine_image
 
 CONTAINER = "engine"
 HASH_ANNOTATION = "serving.kvpilot.dev/config-hash"
@@ -25,8 +26,21 @@ SCRATCH_DIR = "/scratch"
 CACHE_DIR = "/var/cache/kvpilot"
 MODELS_CACHE_DIR = f"{CACHE_DIR}/models"  # hf:// and s3:// models (model_download.py)
 RUN_AS = 65532
-PRESTOP_SLEEP_S = 5  # within terminationGracePeriodSeconds (30)
+PRESTOP_SLEEP_S = 5
 SECCOMP = {"type": "RuntimeDefault"}
+# After preStop and the engine's drain (--drain-timeout): the process's own exit (uvicorn's
+# shutdown, freeing the GPU) before the kubelet's SIGKILL.
+EXIT_MARGIN_S = 5
+# Every address of the pod, loopback included: `kubectl port-forward` connects to localhost in
+# the pod's network namespace, probes and Services to the pod IP. IPv4 (an IPv6-only cluster is
+# not supported yet: docs/kubernetes.md).
+LISTEN_HOST = "0.0.0.0"
+
+
+def grace_period(spec: LLMDeploymentSpec) -> int:
+    """terminationGracePeriodSeconds: preStop, then the drain, then the exit, so a stream that
+    finishes within engine.drainTimeoutSeconds is never cut."""
+    return PRESTOP_SLEEP_S + spec.engine.drain_timeout_seconds + EXIT_MARGIN_S
 
 
 def model_source(source: str) -> tuple[str, dict | None, dict | None]:
@@ -70,7 +84,7 @@ def engine_args(owner: Owner, spec: LLMDeploymentSpec, model_arg: str | None) ->
     e = spec.engine
     args = ["--model", model_arg] if model_arg is not None else []
     args += ["--served-model-name", spec.model.served_name or owner.name,
-             "--host", "$(POD_IP)", "--port", str(HTTP_PORT),
+             "--host", LISTEN_HOST, "--port", str(HTTP_PORT), "--drain-timeout", str(e.drain_timeout_seconds),
              "--tuning-file", f"{TUNING_DIR}/{TUNING_FILE}",
              # Start-up floor only: the tuning file (read before serving) sets the live
              # values, so they stay out of the pod template and never roll pods.
@@ -93,17 +107,23 @@ def engine_args(owner: Owner, spec: LLMDeploymentSpec, model_arg: str | None) ->
         args += ["--quantization", e.quantization]
     if e.kv_cache_dtype is not None:
         args += ["--kv-cache-dtype", e.kv_cache_dtype]
-    if e.api_key_secret_ref is not None:
+    # Every string so far is literal (Kubernetes reads $$ as $): a spec's "$(VAR)" never expands.
+    args = [literal(a) for a in args + list(e.extra_args)]
+    if e.api_key_secret_ref is not None:  # the one reference meant to expand (the Secret's key)
         args += ["--api-key", "$(KVPILOT_API_KEY)"]
-    return args + list(e.extra_args)
+    return args
 
 
-def resources(spec: LLMDeploymentSpec) -> dict:
+def resources(spec: LLMDeploymentSpec, model_cache: int | None = None) -> dict:
+    """model_cache: the emptyDir model cache's bytes, requested as ephemeral storage."""
     r = spec.resources
     requests = {"cpu": str(r.cpu), "memory": str(r.memory)}
     limits = {"memory": str(r.memory)}
     if r.gpus:
-        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(r.gpus)
+        name = r.gpu_resource_name or DEFAULT_GPU_RESOURCE
+        requests[name] = limits[name] = str(r.gpus)
+    if model_cache:
+        requests["ephemeral-storage"] = str(model_cache)
     return {"requests": requests, "limits": limits}
 
 
@@ -122,10 +142,27 @@ def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict:
             "failureThreshold": failures, "timeoutSeconds": timeout}
 
 
-def container_security_context() -> dict:
-    return {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
-            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]}, "seccompProfile": SECCOMP}
+def pod_security_context(spec: LLMDeploymentSpec) -> dict:
+    """spec.pod.securityContext (the operator's default in it) or 65532 throughout."""
+    sc = spec.pod.security_context
+    if sc is None:
+        return {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+                "seccompProfile": SECCOMP}
+    out = {"runAsNonRoot": sc.run_as_non_root, "seccompProfile": {"type": sc.seccomp_profile_type}}
+    for key, value in (("runAsUser", sc.run_as_user), ("runAsGroup", sc.run_as_group), ("fsGroup", sc.fs_group)):
+        if value is not None:
+            out[key] = value
+    if sc.supplemental_groups:
+        out["supplementalGroups"] = list(sc.supplemental_groups)
+    return out
+
+
+def container_security_context(spec: LLMDeploymentSpec | None = None) -> dict:
+    """The containers run as the pod does (its ids are inherited), and may do nothing more."""
+    pod = pod_security_context(spec) if spec is not None else {"runAsNonRoot": True, "seccompProfile": SECCOMP}
+    return {"runAsNonRoot": pod["runAsNonRoot"], "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": pod["seccompProfile"]}
 
 
 def tuning_volume(owner: Owner, spec: LLMDeploymentSpec) -> dict:
@@ -139,11 +176,14 @@ def tuning_volume(owner: Owner, spec: LLMDeploymentSpec) -> dict:
     return {"name": "tuning", "projected": {"sources": [{"configMap": tuning}, extra]}}
 
 
-def build_pod_template(owner: Owner, spec: LLMDeploymentSpec, model_revision: str | None = None) -> dict:
-    """model_revision: the commit an hf:// source resolved to (status.model.revision)."""
+def build_pod_template(owner: Owner, spec: LLMDeploymentSpec, model_revision: str | None = None,
+                       model_bytes: int | None = None) -> dict:
+    """model_revision: the commit an hf:// source resolved to (status.model.revision);
+    model_bytes: its files' size (status.model.bytesTotal), which sizes an emptyDir cache."""
     remote = remote_source(spec)
+    cache = cache_size(spec, model_bytes)
     if remote is not None:  # fetched by the init container, read offline from the cache
-        model_arg, model_volume = pinned_source(spec, model_revision), cache_volume(spec)
+        model_arg, model_volume = pinned_source(spec, model_revision), cache_volume(spec, cache)
         model_mount = {"name": MODEL_CACHE_VOLUME, "mountPath": MODELS_CACHE_DIR, "readOnly": True}
     else:
         model_arg, model_volume, model_mount = (model_source(spec.model.source) if spec.model.source
@@ -151,7 +191,7 @@ def build_pod_template(owner: Owner, spec: LLMDeploymentSpec, model_revision: st
     simulated = spec.engine.simulate is not None
     base_env = [{"name": "HOME", "value": SCRATCH_DIR}, {"name": "TMPDIR", "value": SCRATCH_DIR},
                 {"name": "KVPILOT_CACHE_DIR", "value": CACHE_DIR}]
-    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}] + base_env
+    env = list(base_env)
     if remote is not None:
         env.append({"name": "KVPILOT_MODEL_OFFLINE", "value": "1"})
     if spec.engine.api_key_secret_ref is not None:
@@ -174,14 +214,15 @@ def build_pod_template(owner: Owner, spec: LLMDeploymentSpec, model_revision: st
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
     container = {
-        "name": CONTAINER, "image": spec.engine.image, "imagePullPolicy": spec.engine.image_pull_policy,
+        "name": CONTAINER, "image": engine_image(spec),
+        "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["kvpilot", "serve"], "args": engine_args(owner, spec, model_arg),
         "env": env, "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         # Model loads can be slow: up to 15 minutes before liveness applies.
         "startupProbe": _probe("/health", 5, 180),
         "readinessProbe": _probe("/health", 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
-        "resources": resources(spec), "securityContext": container_security_context(),
+        "resources": resources(spec, cache), "securityContext": container_security_context(spec),
         "volumeMounts": mounts,
         # A Service's endpoints (and any router's pod list) drop a deleted pod a moment after
         # the kubelet starts stopping it; serving a few seconds more before SIGTERM means no
@@ -191,29 +232,33 @@ def build_pod_template(owner: Owner, spec: LLMDeploymentSpec, model_revision: st
         # (pod_health.py): the reason an engine will not start, without kubectl logs.
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    sched = spec.scheduling
+    sched, pod = spec.scheduling, spec.pod
     pod_spec: dict = {
-        "automountServiceAccountToken": False, "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 30,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
-                            "fsGroup": RUN_AS, "seccompProfile": SECCOMP},
+        # A token only for a ServiceAccount the spec names (IRSA, Workload Identity, Vault).
+        "automountServiceAccountToken": pod.service_account_name is not None, "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": grace_period(spec),
+        "securityContext": pod_security_context(spec),
         "containers": [container], "volumes": volumes,
     }
+    if pod.service_account_name:
+        pod_spec["serviceAccountName"] = pod.service_account_name
+    if pod.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in pod.image_pull_secrets]
     if remote is not None:
         scratch = [{"name": "tmp", "mountPath": SCRATCH_DIR}]
         pod_spec["initContainers"] = [init_container(spec, model_arg, MODELS_CACHE_DIR, base_env, scratch,
-                                                     container_security_context())]
+                                                     container_security_context(spec), cache)]
     if sched.node_selector:
         pod_spec["nodeSelector"] = dict(sched.node_selector)
     if sched.tolerations:
         pod_spec["tolerations"] = [t.dump() for t in sched.tolerations]
-    if sched.affinity:
-        pod_spec["affinity"] = sched.affinity
+    if sched.affinity is not None and sched.affinity.dump():
+        pod_spec["affinity"] = sched.affinity.dump()
     if sched.priority_class_name:
         pod_spec["priorityClassName"] = sched.priority_class_name
-    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
+    annotations = {**pod.annotations, "prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
                    "prometheus.io/path": "/metrics"}
-    pod_labels = metadata(owner, owner.name)["labels"]
+    pod_labels = {**pod.labels, **metadata(owner, owner.name)["labels"]}
     if simulated:
         pod_labels[SIMULATED_LABEL] = "true"
     template = {"metadata": {"labels": pod_labels, "annotations": annotations},
@@ -228,11 +273,11 @@ def config_hash(template: dict) -> str:
 
 
 def build_deployment(owner: Owner, spec: LLMDeploymentSpec, replicas: int,
-                     model_revision: str | None = None) -> dict:
+                     model_revision: str | None = None, model_bytes: int | None = None) -> dict:
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata(owner, owner.name),
         "spec": {"replicas": replicas, "selector": {"matchLabels": selector_labels(owner)},
                  "revisionHistoryLimit": 3, "progressDeadlineSeconds": 1200,
                  "strategy": rollout_strategy(spec),
-                 "template": build_pod_template(owner, spec, model_revision)},
+                 "template": build_pod_template(owner, spec, model_revision, model_bytes)},
     }

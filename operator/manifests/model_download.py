@@ -14,6 +14,33 @@ MODEL_CACHE_VOLUME = "model-cache"
 TERMINATION_LOG = "/dev/termination-log"
 
 
+# An s3:// source's size is known only once downloaded: without model.cache.sizeLimit, this.
+DEFAULT_S3_CACHE = 20 * 2**30
+GiB = 2**30
+
+
+def literal(text: str) -> str:
+    """`text` as Kubernetes passes it in args and env values: "$$" is its escape for "$", so
+    no "$(VAR)" in a user's string expands (to a Secret's value, say)."""
+    return text.replace("$", "$$")
+
+
+def cache_size(spec: LLMDeploymentSpec, model_bytes: int | None) -> int | None:
+    """Bytes of the emptyDir model cache (its sizeLimit and the pods' ephemeral-storage request):
+    model.cache.sizeLimit, else an hf:// model's files plus 10% and 1 GiB in whole GiB (so a
+    figure that moves by a few bytes does not roll the pods), else DEFAULT_S3_CACHE. None with
+    a PVC cache or a source that is not downloaded."""
+    src, c = remote_source(spec), spec.model.cache
+    if src is None or (c is not None and c.claim_name):
+        return None
+    if c is not None and c.size_limit is not None:
+        from kvpilot.engine.config.quantity import parse_bytes
+        return parse_bytes("model.cache.sizeLimit", c.size_limit)
+    if src.startswith("hf://") and model_bytes:
+        return (-(-int(model_bytes * 1.1) // GiB) + 1) * GiB
+    return DEFAULT_S3_CACHE
+
+
 def remote_source(spec: LLMDeploymentSpec) -> str | None:
     src = spec.model.source
     return src if src and src.startswith(("hf://", "s3://")) else None
@@ -37,15 +64,15 @@ def source_env(spec: LLMDeploymentSpec) -> list[dict]:
     env: list[dict] = []
     if m.hf is not None:
         if m.hf.endpoint:
-            env.append({"name": "HF_ENDPOINT", "value": m.hf.endpoint})
+            env.append({"name": "HF_ENDPOINT", "value": literal(m.hf.endpoint)})
         if m.hf.token_secret_ref is not None:
             ref = m.hf.token_secret_ref
             env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     if m.s3 is not None:
         if m.s3.endpoint:
-            env.append({"name": "AWS_ENDPOINT_URL", "value": m.s3.endpoint})
+            env.append({"name": "AWS_ENDPOINT_URL", "value": literal(m.s3.endpoint)})
         if m.s3.region:
-            env.append({"name": "AWS_REGION", "value": m.s3.region})
+            env.append({"name": "AWS_REGION", "value": literal(m.s3.region)})
         if m.s3.path_style:
             env.append({"name": "KVPILOT_S3_PATH_STYLE", "value": "1"})
         if m.s3.credentials_secret_ref is not None:
@@ -59,28 +86,34 @@ def source_env(spec: LLMDeploymentSpec) -> list[dict]:
     return env
 
 
-def cache_volume(spec: LLMDeploymentSpec) -> dict:
+def cache_volume(spec: LLMDeploymentSpec, size: int | None = None) -> dict:
     claim = spec.model.cache.claim_name if spec.model.cache is not None else None
     if claim:
         return {"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": claim}}
-    return {"name": MODEL_CACHE_VOLUME, "emptyDir": {}}
+    return {"name": MODEL_CACHE_VOLUME, "emptyDir": {"sizeLimit": str(size)} if size else {}}
 
 
 def init_container(spec: LLMDeploymentSpec, source: str, models_dir: str, base_env: list[dict],
-                   base_mounts: list[dict], security_context: dict) -> dict:
+                   base_mounts: list[dict], security_context: dict, cache: int | None = None) -> dict:
     """`kvpilot fetch-model` with the engine's image, scratch and security context. It asks for
-    the engine's CPU and memory but no GPU: a download needs none."""
+    the engine's CPU and memory (and the cache's ephemeral storage) but no GPU: a download
+    needs none."""
+    from ..api.spec import engine_image
+
     args = [source, "--cache-dir", models_dir, "--json-progress", "--termination-log", TERMINATION_LOG]
     for pattern in spec.model.files:
         args += ["--include", pattern]
     r = spec.resources
+    requests = {"cpu": str(r.cpu), "memory": str(r.memory)}
+    if cache:
+        requests["ephemeral-storage"] = str(cache)
     return {
-        "name": INIT_CONTAINER, "image": spec.engine.image, "imagePullPolicy": spec.engine.image_pull_policy,
-        "command": ["kvpilot", "fetch-model"], "args": args,
+        "name": INIT_CONTAINER, "image": engine_image(spec),
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": ["kvpilot", "fetch-model"], "args": [literal(a) for a in args],
         "env": base_env + source_env(spec),
         "volumeMounts": base_mounts + [{"name": MODEL_CACHE_VOLUME, "mountPath": models_dir}],
-        "resources": {"requests": {"cpu": str(r.cpu), "memory": str(r.memory)},
-                      "limits": {"memory": str(r.memory)}},
+        "resources": {"requests": requests, "limits": {"memory": str(r.memory)}},
         "securityContext": security_context,
         "terminationMessagePolicy": "File",
     }

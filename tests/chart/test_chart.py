@@ -13,6 +13,7 @@ from kvpilot.operator.api.crd import build_crd
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvpilot"
+KUBE_VERSION = "1.31.0"  # the chart's kubeVersion is >=1.30; helm template assumes 1.20 otherwise
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def helm() -> str:
 
 
 def render(helm: str, *args: str) -> list[dict]:
-    out = subprocess.run([helm, "template", "kvpilot", str(CHART), "-n", "kvpilot-system", *args],
+    out = subprocess.run([helm, "template", "kvpilot", str(CHART), "-n", "kvpilot-system", "--kube-version", KUBE_VERSION, *args],
                          capture_output=True, text=True, check=True).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
@@ -105,7 +106,7 @@ def test_kubeconfig_secret_mode(helm):
 
 
 def test_values_schema_rejects_bad_values(helm):
-    proc = subprocess.run([helm, "template", "x", str(CHART), "--set", "metricsPort=notaport"],
+    proc = subprocess.run([helm, "template", "x", str(CHART), "--kube-version", KUBE_VERSION, "--set", "metricsPort=notaport"],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "metricsPort" in proc.stderr
 
@@ -124,3 +125,31 @@ def test_max_concurrent_reconciles_value(helm):
     assert "--max-concurrent-reconciles=16" in args("--set", "maxConcurrentReconciles=16")
     with pytest.raises(subprocess.CalledProcessError):
         render(helm, "--set", "maxConcurrentReconciles=0")  # the values schema refuses it
+
+
+def test_kube_prometheus_stack_values_and_engine_defaults(helm):
+    """Issue 39: every monitoring object carries the stack's release label, a PodMonitor
+    selects the engine pods, `global` is accepted (as a parent chart passes it), and the
+    engine values reach the operator as the flags it reads."""
+    import json
+
+    docs = render(helm, "--api-versions", "monitoring.coreos.com/v1", "--set", "global.imageRegistry=x",
+                  "--set", "serviceMonitor.labels.release=kps", "--set", "podMonitor.labels.release=kps",
+                  "--set", "prometheusRule.labels.release=kps", "--set", "grafanaDashboards.labels.release=kps",
+                  "--set", "image.tag=0.2.0", "--set", "engine.serviceAccountName=llm",
+                  "--set", "engine.gpuResourceName=amd.com/gpu", "--set", "engine.imagePullSecrets[0]=regcred")
+    kinds = by_kind(docs)
+    for kind in ("ServiceMonitor", "PodMonitor", "PrometheusRule"):
+        assert kinds[kind] and all(d["metadata"]["labels"]["release"] == "kps" for d in kinds[kind]), kind
+    (pm,) = kinds["PodMonitor"]
+    assert pm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "kvpilot-engine"}
+    assert pm["spec"]["namespaceSelector"] == {"any": True}
+    rules = [r for g in kinds["PrometheusRule"][0]["spec"]["groups"] for r in g["rules"]]
+    assert all(r["annotations"]["runbook_url"].endswith("#" + r["alert"].lower()) for r in rules)
+    op = next(d for d in without_gateway(docs) if d["kind"] == "Deployment")
+    args = op["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--engine-image=kvpilot/engine:0.2.0" in args and "--gpu-resource-name=amd.com/gpu" in args
+    defaults = json.loads(next(a for a in args if a.startswith("--engine-defaults="))[len("--engine-defaults="):])
+    assert defaults["pod"]["serviceAccountName"] == "llm" and defaults["pod"]["imagePullSecrets"] == ["regcred"]
+    from kvpilot.operator.api.spec import OperatorDefaults
+    OperatorDefaults.model_validate(defaults)  # what the operator reads, valid

@@ -47,7 +47,7 @@ def with_tenants(helm: str, tenants: list[dict], *args: str) -> list[dict]:  # n
 
 
 def template_fails(helm: str, *args: str) -> str:  # noqa: F811
-    proc = subprocess.run([helm, "template", "x", str(CHART), *args], capture_output=True, text=True)
+    proc = subprocess.run([helm, "template", "x", str(CHART), "--kube-version", "1.31.0", *args], capture_output=True, text=True)
     assert proc.returncode != 0, proc.stdout
     return proc.stderr
 
@@ -297,7 +297,7 @@ def test_notes_say_how_to_reach_the_gateway(helm, tmp_path):  # noqa: F811
         'data:\n  notes: {{ include (print $.Template.BasePath "/NOTES.txt") . | quote }}\n')
 
     def notes(*args: str) -> str:
-        out = subprocess.run([helm, "template", "kvpilot", str(chart), "-n", NS, "--show-only",
+        out = subprocess.run([helm, "template", "kvpilot", str(chart), "-n", NS, "--kube-version", "1.31.0", "--show-only",
                               "templates/notes-probe.yaml", *args], capture_output=True, text=True, check=True)
         return yaml.safe_load(out.stdout)["data"]["notes"]
     text = notes()
@@ -306,3 +306,24 @@ def test_notes_say_how_to_reach_the_gateway(helm, tmp_path):  # noqa: F811
     text = notes("--set-json", 'gateway.tenants=[{"name":"a","apiKeySecret":{"name":"s"}}]')
     assert 'curl http://localhost:8000/v1/models -H "Authorization: Bearer $API_KEY"' in text
     assert "gateway" not in notes("--set", "gateway.enabled=false")
+
+
+def test_the_gateway_is_exposable_through_an_ingress_or_an_httproute(helm):  # noqa: F811
+    docs = render(helm, "--set", "gateway.ingress.enabled=true", "--set", "gateway.ingress.className=nginx",
+                  "--set", "gateway.ingress.hosts={llm.example.com}", "--set", "gateway.httpRoute.enabled=true",
+                  "--set-json", 'gateway.httpRoute.parentRefs=[{"name":"public","namespace":"gw"}]',
+                  "--set", "gateway.httpRoute.timeout=600s", "--set", "gateway.service.type=LoadBalancer")
+    (ing,) = [d for d in docs if d["kind"] == "Ingress"]
+    (route,) = [d for d in docs if d["kind"] == "HTTPRoute"]
+    (svc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == GW]
+    assert svc["spec"]["type"] == "LoadBalancer" and ing["spec"]["ingressClassName"] == "nginx"
+    (rule,) = ing["spec"]["rules"]
+    assert rule["host"] == "llm.example.com"
+    assert rule["http"]["paths"][0]["backend"]["service"] == {"name": GW, "port": {"name": "http"}}
+    assert route["spec"]["parentRefs"] == [{"name": "public", "namespace": "gw"}]
+    assert route["spec"]["rules"][0]["backendRefs"] == [{"name": GW, "port": 80}]
+    assert route["spec"]["rules"][0]["timeouts"] == {"request": "600s"}
+    assert not [d for d in render(helm) if d["kind"] in ("Ingress", "HTTPRoute")]  # off by default
+    proc = subprocess.run([helm, "template", "x", str(CHART), "--kube-version", "1.31.0",
+                           "--set", "gateway.httpRoute.enabled=true"], capture_output=True, text=True)
+    assert proc.returncode != 0 and "gateway.httpRoute.parentRefs" in proc.stderr

@@ -64,7 +64,7 @@ def test_one_replica_without_election_is_recreate_and_has_no_pdb(helm):  # noqa:
 
 
 def test_several_replicas_without_election_are_refused(helm):  # noqa: F811
-    proc = subprocess.run([helm, "template", "x", str(CHART), "--set", "leaderElection.enabled=false"],
+    proc = subprocess.run([helm, "template", "x", str(CHART), "--kube-version", "1.31.0", "--set", "leaderElection.enabled=false"],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "leaderElection.enabled" in proc.stderr
 
@@ -114,6 +114,6 @@ def test_network_policy_takes_the_watched_namespaces_and_custom_peers(helm):  # 
 
 
 def test_network_policy_without_namespaces_is_refused(helm):  # noqa: F811
-    proc = subprocess.run([helm, "template", "x", str(CHART), "--set", "networkPolicy.enabled=true"],
+    proc = subprocess.run([helm, "template", "x", str(CHART), "--kube-version", "1.31.0", "--set", "networkPolicy.enabled=true"],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "networkPolicy.namespaces" in proc.stderr

@@ -125,3 +125,17 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end }}
 {{- toYaml (dict "window" .Values.gateway.rateLimitWindow "tenants" $tenants) }}
 {{- end -}}
+
+{{- /* The engine pods' defaults, as `kvpilot operator --engine-defaults` reads them (JSON). */ -}}
+{{- define "kvpilot.engineDefaults" -}}
+{{- $e := .Values.engine -}}
+{{- $pod := dict "imagePullSecrets" (default (list) $e.imagePullSecrets) "annotations" (default (dict) $e.podAnnotations) "labels" (default (dict) $e.podLabels) -}}
+{{- with $e.serviceAccountName }}{{ $_ := set $pod "serviceAccountName" . }}{{ end -}}
+{{- with $e.securityContext }}{{ $_ := set $pod "securityContext" . }}{{ end -}}
+{{- $sched := dict "nodeSelector" (default (dict) $e.nodeSelector) "tolerations" (default (list) $e.tolerations) -}}
+{{- with $e.affinity }}{{ $_ := set $sched "affinity" . }}{{ end -}}
+{{- with $e.priorityClassName }}{{ $_ := set $sched "priorityClassName" . }}{{ end -}}
+{{- $out := dict "pod" $pod "scheduling" $sched -}}
+{{- with $e.prometheusURL }}{{ $_ := set $out "prometheusUrl" . }}{{ end -}}
+{{- toJson $out -}}
+{{- end -}}

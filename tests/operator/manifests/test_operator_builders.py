@@ -34,7 +34,8 @@ def container(d: dict) -> dict:
 
 def test_defaults_for_everything_but_the_model():
     s = spec()
-    assert s.engine.image == DEFAULT_IMAGE == "kvpilot/engine:0.1.0"
+    # No image in the stored object: the operator's own, filled in at each reconcile.
+    assert s.engine.image is None and container(build_deployment(OWNER, s, 1))["image"] == DEFAULT_IMAGE
     assert (s.engine.max_num_seqs, s.engine.max_model_len, s.replicas) == (64, 2048, 1)
     assert s.autotune.mode == "Off" and s.service.port == 8000
 
@@ -85,11 +86,12 @@ def test_deployment_runs_kvpilot_serve_with_the_tuning_file():
     args = c["args"]
     flag = lambda f: args[args.index(f) + 1]  # noqa: E731
     assert flag("--model") == "builtin:tiny" and flag("--served-model-name") == "tiny"
-    assert flag("--host") == "$(POD_IP)" and flag("--port") == "8000"
+    # every address, loopback included: kubectl port-forward connects to localhost in the pod
+    assert flag("--host") == "0.0.0.0" and flag("--port") == "8000"
     assert flag("--tuning-file") == "/etc/kvpilot/tuning.json"
     assert flag("--kv-cache-memory") == "64Mi" and flag("--max-num-batched-tokens") == "1024"
     assert "--no-enable-prefix-caching" in args and "--max-num-seqs" not in args
-    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in c["env"]
+    assert "$(" not in " ".join(args)  # no reference to expand: the key's is the only one there is
     mount = next(m for m in c["volumeMounts"] if m["name"] == "tuning")
     assert mount == {"name": "tuning", "mountPath": "/etc/kvpilot", "readOnly": True}  # no subPath: live updates
     vol = next(v for v in pod(build_deployment(OWNER, s, 1))["volumes"] if v["name"] == "tuning")
@@ -105,7 +107,7 @@ def test_a_cpu_engine_without_a_kv_size_gets_one_that_fits_its_pod():
     assert kv(resources={"memory": "1Gi"}) == str(256 * mib)  # 1Gi less 768Mi for the process
     assert kv(resources={"memory": "512Mi"}) == str(64 * mib)  # never below 64Mi
     assert kv(resources={"memory": "1Gi"}, engine={"kvCacheMemory": "8Mi"}) == "8Mi"  # the spec's own wins
-    assert kv(resources={"memory": "1e9"}) is None  # a quantity the engine does not parse: its default
+    assert kv(resources={"memory": "2T"}) == str(2**30)  # never above 1Gi
     gpu = {"gpus": 1, "memory": "1Gi"}
     assert kv(resources=gpu) is None  # a GPU engine sizes its cache from the device
     assert kv(engine={"gpuMemoryUtilization": 0.5}, resources=gpu) is None
@@ -130,7 +132,12 @@ def test_pods_keep_serving_until_endpoints_drop_them():
     d = build_deployment(OWNER, spec(), 1)
     hook = container(d)["lifecycle"]["preStop"]
     assert hook == {"sleep": {"seconds": 5}}  # the sleep action: no shell needed in the image
-    assert hook["sleep"]["seconds"] < pod(d)["terminationGracePeriodSeconds"]
+    # The grace period covers preStop, the whole drain and the exit, whatever the drain.
+    for drain in (0, 30, 120):
+        d = build_deployment(OWNER, spec(engine={"drainTimeoutSeconds": drain}), 1)
+        args = container(d)["args"]
+        assert args[args.index("--drain-timeout") + 1] == str(drain)
+        assert pod(d)["terminationGracePeriodSeconds"] == 5 + drain + 5
 
 
 def test_probes_startup_is_generous():
@@ -223,3 +230,21 @@ def test_pdb_only_for_more_than_one_replica():
     assert build_pdb(OWNER, 1) is None and build_pdb(OWNER, 0) is None
     pdb = build_pdb(OWNER, 2)
     assert pdb["apiVersion"] == "policy/v1" and pdb["spec"]["maxUnavailable"] == 1
+
+
+def test_a_new_operator_image_rolls_pods_that_name_none_and_not_those_that_do():
+    """helm upgrade changes --engine-image: the pod template (and its hash) follow for every
+    LLMDeployment without spec.engine.image; one that names its own stays as it was."""
+    from kvpilot.operator.reconcile import parse_spec
+    from kvpilot.operator.api.spec import OperatorDefaults
+
+    def template(spec: dict, image: str) -> dict:
+        s = parse_spec({"spec": spec}, OperatorDefaults(engine_image=image))
+        return build_deployment(OWNER, s, 1)["spec"]["template"]
+
+    plain, pinned = {"model": {"source": "builtin:tiny"}}, {"model": {"source": "builtin:tiny"},
+                                                            "engine": {"image": "mine:1"}}
+    old, new = template(plain, "kvpilot/engine:0.1.0"), template(plain, "kvpilot/engine:0.2.0")
+    assert new["spec"]["containers"][0]["image"] == "kvpilot/engine:0.2.0"
+    assert old["metadata"]["annotations"][HASH_ANNOTATION] != new["metadata"]["annotations"][HASH_ANNOTATION]
+    assert template(pinned, "kvpilot/engine:0.1.0") == template(pinned, "kvpilot/engine:0.2.0")

@@ -42,6 +42,17 @@ def crd_spec() -> dict:
 
 # --- the pod --------------------------------------------------------------------------------
 
+def test_simulated_pods_run_the_torch_free_operator_image_unless_told_otherwise():
+    from kvpilot.operator.api.spec import OperatorDefaults, with_defaults
+    assert container(build_deployment(OWNER, sim_spec(H100), 1))["image"] == "kvpilot/operator:0.1.0"
+    assert container(build_deployment(OWNER, spec(), 1))["image"] == "kvpilot/engine:0.1.0"  # a real engine
+    d = OperatorDefaults(engine_image="r.io/engine:2", simulated_image="r.io/operator:2")
+    assert container(build_deployment(OWNER, with_defaults(sim_spec(H100), d), 1))["image"] == "r.io/operator:2"
+    assert container(build_deployment(OWNER, with_defaults(spec(), d), 1))["image"] == "r.io/engine:2"
+    pinned = sim_spec(H100, engine={"image": "mine/kvpilot:1"})
+    assert container(build_deployment(OWNER, with_defaults(pinned, d), 1))["image"] == "mine/kvpilot:1"
+
+
 def test_preset_model_args_gpu_request_label_and_no_dshm():
     d = build_deployment(OWNER, sim_spec(H100, engine={"gpuMemoryUtilization": 0.9}), 1)
     c, p = container(d), pod(d)
