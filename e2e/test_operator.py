@@ -192,14 +192,15 @@ def test_example_serves_completions(cluster, operator, demo):
 
 def test_operator_and_engine_run_from_the_image_under_restricted(cluster, operator, demo):
     """Both namespaces enforce `restricted` (admission let these pods in); each container is
-    kvpilot's image, and `kvpilot serve` is the engine container's PID 1, so the kubelet's
-    SIGTERM reaches it (no shell in between)."""
+    kvpilot's image (the operator's without torch, the real engine's with it), and `kvpilot
+    serve` is the engine container's PID 1, so the kubelet's SIGTERM reaches it (no shell in
+    between)."""
     op = operator_leader(operator)
     (pod,) = engine_pods(operator, demo)
-    for p in (op, pod):
+    for p, image in ((op, "kvpilot/operator:0.1.0"), (pod, "kvpilot/engine:0.1.0")):
         labels = operator.get(f"/api/v1/namespaces/{p['metadata']['namespace']}")["metadata"]["labels"]
         assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
-        assert p["spec"]["containers"][0]["image"] == "kvpilot/engine:0.1.0"
+        assert p["spec"]["containers"][0]["image"] == image
     name, ns = pod["metadata"]["name"], pod["metadata"]["namespace"]
     version = cluster.kubectl("exec", name, "-n", ns, "--", "kvpilot", "--version").stdout
     assert version.strip() == "kvpilot 0.1.0"
