@@ -117,3 +117,15 @@ def _with_func(parser, func):
         if isinstance(action, argparse._SubParsersAction):
             action.choices["crd"].set_defaults(func=func)
     return parser
+
+
+def test_serve_says_what_it_is_doing_while_it_starts(caplog, monkeypatch):
+    import logging
+
+    from kvpilot.engine.server import cli as server_cli
+
+    seen = []
+    monkeypatch.setattr(server_cli, "_serve", lambda args, what, done, started: seen.append(what[0]) or 0)
+    with caplog.at_level(logging.INFO, logger="kvpilot.server"):
+        assert main(["serve", "--model", "builtin:tiny", "--host", "127.0.0.1", "--port", "0"]) == 0
+    assert "kvpilot serve: importing the engine (torch)" in caplog.text and seen == ["importing the engine (torch)"]

@@ -251,6 +251,10 @@ def test_a_full_queue_times_out_with_503():
 @pytest.mark.parametrize("field, value, message", [
     ("routing", "random", "--routing"), ("load_factor", 0.5, "--load-factor"), ("retries", -1, "--retries"),
     ("max_body_bytes", 0, "--max-body-bytes"), ("queue_timeout", 0, "--queue-timeout"),
+    ("first_byte_timeout", 0, "--first-byte-timeout"), ("stream_idle_timeout", -1, "--stream-idle-timeout"),
+    ("response_timeout", 1e9, "--response-timeout"), ("eject_max_seconds", 1, "--eject-max-seconds"),
+    ("header_read_timeout", 0, "--header-read-timeout"), ("max_headers", 0, "--max-headers"),
+    ("max_header_bytes", 10, "--max-header-bytes"), ("metrics_access", "all", "--metrics-access"),
 ])
 def test_settings_name_the_flag(field, value, message):
     with pytest.raises(ValueError, match=message):

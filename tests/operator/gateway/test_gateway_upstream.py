@@ -145,3 +145,17 @@ def test_ejection_backs_off_doubling_and_a_good_answer_resets_it():
     assert r.fail(135.0, 5, 60) == 40 and r.fail(175.0, 5, 60) == 60  # capped
     r.succeed()
     assert r.fail(300.0, 5, 60) == 5
+
+
+def test_key_files_name_their_flag(tmp_path):
+    import pytest
+
+    from kvpilot.operator.gateway.cli import read_key
+
+    (tmp_path / "key").write_text(" secret\n")
+    assert read_key(str(tmp_path / "key"), "--engine-api-key-file") == "secret"
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="--engine-api-key-file: .* is empty"):
+        read_key(str(tmp_path / "empty"), "--engine-api-key-file")
+    with pytest.raises(ValueError, match="--metrics-key-file: cannot read"):
+        read_key(str(tmp_path / "missing"), "--metrics-key-file")
