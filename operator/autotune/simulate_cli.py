@@ -45,7 +45,8 @@ def _cmd(args: argparse.Namespace) -> int:
                             thresholds=thresholds, replica_startup_s=args.replica_startup)
     fleet = Fleet(config, replicas=args.replicas, router=args.router, scrape_interval=args.scrape_interval,
                   max_concurrency=args.max_concurrency, keep_scrapes=bool(args.plot))
-    trace = trace_from_args(args, fleet.replicas[0].engine.max_model_len)
+    engine = fleet.replicas[0].engine
+    trace = trace_from_args(args, engine.max_model_len, engine.runner.max_position_embeddings)
     if not trace:
         raise ValueError("phase: the phases generate no requests")
     print(f"SIMULATED {config.simulate.accelerator} serving {config.simulate.model}, virtual time; "
