@@ -118,6 +118,16 @@ class Replica:
             return
         self.live[rid] = sim
 
+    def give_up(self, rid: str, now: float) -> bool:
+        """The client of a request with no token yet leaves: aborted, counted as failed."""
+        group = self.engine.outputs.group(rid)
+        if group is None or any(c.output_token_ids for c in group.children):
+            return False
+        self.engine.abort_request(rid)
+        sim = self.live.pop(rid)
+        sim.error, sim.finished, sim.finish_reason = "client timeout: no token in time", now, "abort"
+        return True
+
     @staticmethod
     def _refuse(sim: SimRequest, error: str, now: float) -> None:
         sim.error, sim.finished, sim.finish_reason = error, now, "error"
@@ -140,7 +150,8 @@ class Fleet:
 
     def __init__(self, config: EngineConfig, replicas: int = 1, router: str = "round-robin",
                  scrape_interval: float | None = None, max_concurrency: int | None = None,
-                 on_scrape: Callable[[Scrape], None] | None = None, keep_scrapes: bool = True) -> None:
+                 on_scrape: Callable[[Scrape], None] | None = None, keep_scrapes: bool = True,
+                 client_timeout: float | None = None) -> None:
         if config.simulate is None:
             raise ValueError("the fleet simulator needs a simulated accelerator (simulate=...)")
         if router not in ROUTERS:
@@ -150,6 +161,12 @@ class Fleet:
             raise ValueError(f"scrape_interval must be positive, got {scrape_interval!r}")
         if max_concurrency is not None:
             positive_int("max_concurrency", max_concurrency)
+        if client_timeout is not None and not client_timeout > 0:
+            raise ValueError(f"client_timeout must be positive, got {client_timeout!r}")
+        # A client that has had no token this long after sending gives up (the request is
+        # aborted, as a closed connection aborts it in the server): (deadline, index, replica).
+        self.client_timeout = client_timeout
+        self._deadlines: list[tuple[float, int, Replica]] = []
         # Closed loop, as `bench serve --max-concurrency`: a request is sent once one of
         # the slots is free; the heap holds the times the free slots became free.
         self._slots: list[float] | None = [0.0] * max_concurrency if max_concurrency else None
@@ -256,7 +273,8 @@ class Fleet:
             work = [t for t in (arrival, step_at) if t is not None]
             if not work and math.isinf(t_end):
                 break
-            timers = [x for x in (self._next_scrape, self._starting[0] if self._starting else None) if x is not None]
+            timers = [x for x in (self._next_scrape, self._starting[0] if self._starting else None,
+                                  self._deadlines[0][0] if self._deadlines else None) if x is not None]
             t = min(work + timers, default=t_end)
             if t >= t_end:
                 break
@@ -266,6 +284,13 @@ class Fleet:
                 self.add_replica()
             elif self._next_scrape is not None and t == self._next_scrape:
                 self._scrape(t)
+            elif self._deadlines and t == self._deadlines[0][0]:
+                _, index, replica = heapq.heappop(self._deadlines)
+                sim = self._sims[index]
+                if sim.finished is None and replica.give_up(str(index), t):
+                    self._on_finished(sim)
+                    if self.retired_pending():
+                        self._retire()
             elif arrival is not None and t == arrival:
                 if self._slots is not None:
                     heapq.heappop(self._slots)
@@ -316,6 +341,8 @@ class Fleet:
         replica.add(str(index), req, sim, self.vocab, now)
         if sim.error is not None:
             self._on_finished(sim)
+        elif self.client_timeout is not None:
+            heapq.heappush(self._deadlines, (now + self.client_timeout, index, replica))
 
     def _scrape(self, t: float) -> None:
         for r in self.replicas:

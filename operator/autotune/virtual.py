@@ -85,6 +85,7 @@ class Interval:
     max_model_len: int
     replicas: int
     num_speculative_tokens: int | None = None  # None: the fleet does not speculate
+    max_num_batched_tokens: int | None = None
 
 
 LIVE_LIMITS = ("max_num_seqs", "max_model_len", "num_speculative_tokens")  # engine.update_limits'
@@ -183,7 +184,7 @@ class AutoController:
                 applied = False
                 decision = Decision(t, decision.diagnosis, Action.HOLD, f"{decision.reason}; not applied: {exc}")
         self.history = self.history.record(decision, applied)
-        iv = Interval(t, snap, decision, applied, *_effective(fleet))
+        iv = Interval(t, snap, decision, applied, *_effective(fleet), fleet.config.max_num_batched_tokens)
         self.intervals.append(iv)
         if self.on_interval is not None:
             self.on_interval(iv)
