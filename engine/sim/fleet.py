@@ -180,6 +180,7 @@ class Fleet:
         # theirs, world_size each (tensor_parallel_size x pipeline_parallel_size).
         self.gpu_timeline: list[tuple[float, int]] = []
         self.num_speculative_tokens: int | None = None  # a live K set_limits applied, if any
+        self.live_batched_tokens: int | None = None  # a live chunk budget set_limits applied, if any
         for _ in range(replicas):
             self.add_replica()
         self.vocab = self.replicas[0].engine.runner.tokens.low, self.replicas[0].engine.runner.vocab_size
@@ -205,6 +206,8 @@ class Fleet:
         if self.num_speculative_tokens is not None:  # a live K set earlier, as a pod's flags would carry
             r.engine.update_limits(num_speculative_tokens=self.num_speculative_tokens)
             r.metrics.record_stats(r.engine.stats())
+        if self.live_batched_tokens is not None:  # as the tuning file reaches a new pod
+            r.engine.update_limits(max_num_batched_tokens=self.live_batched_tokens)
         self.replicas.append(r)
         self._record_gpus()
         return r
@@ -228,7 +231,11 @@ class Fleet:
         (ValueError leaves them: the replicas share one model, so the first refuses before
         any changes)."""
         spec_k = limits.pop("num_speculative_tokens", None)
-        config = replace(self.config, **{k: v for k, v in limits.items() if v is not None})
+        # A live chunk budget stays in the engines (the config keeps the one they started with,
+        # their ceiling); replicas added later get it applied below.
+        self.live_batched_tokens = limits.get("max_num_batched_tokens") or self.live_batched_tokens
+        config = replace(self.config, **{k: v for k, v in limits.items()
+                                         if v is not None and k != "max_num_batched_tokens"})
         for r in self.replicas:
             r.engine.update_limits(**limits, num_speculative_tokens=spec_k)
         self.config = config  # replicas added later start with these

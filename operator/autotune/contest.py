@@ -21,6 +21,7 @@ from kvpilot.engine.sim.scoring import met_slo, score, window_stats
 
 from . import rivals
 from .decision import Bounds, Range, Thresholds
+from .rival_dynamo import DynamoPlanner
 from .virtual import AutoController, AutotuneSettings, drive
 
 SCRAPE_S = 15.0
@@ -88,8 +89,12 @@ def run_contender(scen: Scenario, c: Contender, max_replicas: int | None = None,
         behavior = rivals.HpaBehavior(sync_s=15.0 * f, scale_down_stabilization_s=300.0 * f)
         controller = RIVALS[c.kind](max_replicas=max_replicas, startup_s=REPLICA_STARTUP_S * f,
                                     behavior=behavior, **({"period_s": 30.0 * f} if c.kind == "wva" else {}))
+    elif c.kind == "dynamo":
+        tpot = next((sl.tpot_s for sl in scen.slos if sl.tpot_s), 0.05)
+        controller = DynamoPlanner(scen.accelerator, scen.model, tpot, max_replicas=max_replicas,
+                                   startup_s=REPLICA_STARTUP_S * f, interval_s=60.0 * f)
     elif c.kind != "static":
-        raise ValueError(f"contender kind must be static, auto, auto-rules or one of {sorted(RIVALS)}, "
+        raise ValueError(f"contender kind must be static, auto, auto-rules, dynamo or one of {sorted(RIVALS)}, "
                          f"got {c.kind!r}")
     trace = scen.trace()
     drive(fleet, trace, controller, interval_s=30.0)
@@ -151,6 +156,7 @@ def headline_contenders(scen: Scenario) -> list[Contender]:
             Contender("keda", *d, scen.replicas, label="KEDA waiting>5 (production-stack)"),
             Contender("wva", *d, scen.replicas, label="WVA KV>=0.8|queue>=5 (llm-d)"),
             Contender("hpa-kv", *d, scen.replicas, label="HPA KV 0.5 (AIBrix)"),
+            Contender("dynamo", *d, scen.replicas, label="Dynamo-style SLA planner"),
             Contender("auto", *d, scen.replicas, label="kvpilot Auto")]
 
 
