@@ -106,6 +106,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--save-result", default=None, metavar="FILE")
     p.add_argument("--plot", default=None, metavar="PNG")
     p.set_defaults(func=_cmd)
-    from . import contest_cli
+    from . import bench_table, contest_cli
 
     contest_cli.add_parser(sub)
+    bench_table.add_parser(sub)
