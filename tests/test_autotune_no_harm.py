@@ -135,3 +135,41 @@ def test_a_lowered_chunk_budget_is_not_raised_straight_back():
                   num_waiting=20.0, kv_usage_mean=0.5, kv_usage_max=0.6, tpot_p95_s=0.02, num_running=8.0)
     d = decide(queued, replace(CUR, max_num_batched_tokens=4096), BOUNDS, history, T0, thresholds=t)
     assert "max_num_batched_tokens" not in d.change
+
+
+# --- the chunk budget as a live setting, end to end ---------------------------------------
+
+def test_the_engine_and_its_tuning_file_take_the_chunk_budget_live():
+    import pytest
+
+    from kvpilot.engine.clock import VirtualClock
+    from kvpilot.engine.config import EngineConfig
+    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.server.tuning import parse_tuning
+
+    assert parse_tuning(b'{"max_num_batched_tokens": 2048}') == {"max_num_batched_tokens": 2048}
+    cfg = EngineConfig(model=None, simulate={"accelerator": "h100-80gb", "model": "llama-3.1-8b"},
+                       max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=8192)
+    engine = LLMEngine(cfg, VirtualClock())
+    engine.update_limits(max_num_batched_tokens=1024)
+    assert engine.max_num_batched_tokens == 1024 == engine.scheduler.limits.max_num_batched_tokens
+    with pytest.raises(ValueError, match="max_num_batched_tokens 16384 exceeds the 8192"):
+        engine.update_limits(max_num_batched_tokens=16384)
+    with pytest.raises(ValueError, match="must be >= max_num_seqs"):
+        engine.update_limits(max_num_batched_tokens=32)
+    assert engine.max_num_batched_tokens == 1024
+
+
+def test_the_operator_clamps_a_tuned_chunk_budget_into_its_bounds():
+    from kvpilot.operator.objects import chunk_bounds, effective_settings, tuning_json
+    from kvpilot.operator.spec import LLMDeploymentSpec
+    from kvpilot.operator.status import Effective
+
+    body = {"model": {"source": "builtin:tiny"}, "engine": {"maxNumBatchedTokens": 4096, "maxNumSeqs": 64},
+            "autotune": {"mode": "Auto", "maxNumBatchedTokens": {"min": 1024, "max": 65536}}}
+    spec = LLMDeploymentSpec.model_validate(body)
+    assert chunk_bounds(spec) == (1024, 4096)
+    eff = effective_settings(spec, Effective(max_num_batched_tokens=100000))
+    assert eff.max_num_batched_tokens == 4096 and '"max_num_batched_tokens": 4096' in tuning_json(eff)
+    assert effective_settings(spec, Effective(max_num_batched_tokens=8)).max_num_batched_tokens == 1024
+    assert "max_num_batched_tokens" not in tuning_json(effective_settings(spec))  # untouched: not in the file
