@@ -105,7 +105,11 @@ def build_scenario(args: argparse.Namespace):
         notes = [f"trace {s['source']}: {s['requests']} requests over {s['duration_s']:.0f} s "
                  f"({s['mean_rate_per_s']:.2f}/s)"] + loaded.notes
         name = Path(args.trace).stem + (f"-x{args.trace_rate_scale:g}" if args.trace_rate_scale != 1 else "")
-        scen = from_trace(name, loaded.requests, slo=Slo(ttft_s=args.ttft, tpot_s=args.tpot), base=base)
+        settings = {k: v for k, v in (("accelerator", args.accelerator), ("model", args.model),
+                                      ("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len),
+                                      ("max_num_batched_tokens", args.max_num_batched_tokens),
+                                      ("replicas", args.replicas)) if v is not None}
+        scen = from_trace(name, loaded.requests, slo=Slo(ttft_s=args.ttft, tpot_s=args.tpot), base=base, **settings)
     if args.max_replicas is not None:
         if not 1 <= args.max_replicas <= 64:
             raise ValueError(f"max_replicas must be in [1, 64], got {args.max_replicas}")
@@ -230,6 +234,13 @@ def add_parser(sub) -> None:
                         "model and starting settings the trace is replayed on (default day's)")
     p.add_argument("--trace", default=None, help="replay this trace file instead of the scenario's traffic")
     add_trace_options(p)
+    s = p.add_argument_group("with --trace: where the trace is replayed (default: the scenario's)")
+    s.add_argument("--accelerator", default=None, help="a simulated accelerator, e.g. h100-80gb, a100-80gb, l4")
+    s.add_argument("--model", default=None, help="a simulated model, e.g. llama-3.1-8b")
+    s.add_argument("--max-num-seqs", type=int, default=None, help="your current setting (every contender starts there)")
+    s.add_argument("--max-model-len", type=int, default=None, help="your current setting")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None, help="your current setting")
+    s.add_argument("--replicas", type=int, default=None, help="your current replica count")
     p.add_argument("--ttft", type=float, default=2.0, help="with --trace: the TTFT objective in seconds")
     p.add_argument("--tpot", type=float, default=0.050, help="with --trace: the TPOT objective in seconds")
     p.add_argument("--max-replicas", type=int, default=None, help="what every autoscaler may go up to")
