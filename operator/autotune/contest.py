@@ -21,13 +21,10 @@ from kvpilot.engine.sim.scoring import met_slo, score, window_stats
 
 from . import rivals
 from .decision import Bounds, Range, Thresholds
+from .loop_defaults import COOLDOWN_S, INTERVAL_S, REPLICA_STARTUP_S, SCRAPE_S, WINDOW_S
 from .rival_dynamo import DynamoPlanner
 from .virtual import AutoController, AutotuneSettings, drive
 
-SCRAPE_S = 15.0
-REPLICA_STARTUP_S = 60.0
-# Auto's loop in the contest and in `autotune simulate` alike (one set of defaults).
-INTERVAL_S, WINDOW_S, COOLDOWN_S = 15.0, 60.0, 60.0
 RIVALS = {"keda": rivals.keda_waiting, "wva": rivals.wva, "hpa-kv": rivals.hpa_kv_usage}
 
 
