@@ -67,18 +67,32 @@ def _cmd(args: argparse.Namespace) -> int:
             before = json.loads(Path(args.before).read_text())
         except (OSError, ValueError) as exc:
             raise ValueError(f"before: cannot read {args.before}: {exc}") from None
-    rows = []
+    merged: dict[str, dict] = {}
     for p in args.results:
         try:
-            rows.append(row(json.loads(Path(p).read_text()), before))
+            result = json.loads(Path(p).read_text())
+            merged[result["scenario"]] = merge(merged.get(result["scenario"]), result)
         except (OSError, ValueError, KeyError) as exc:
             raise ValueError(f"results: {p} is not a contest result ({exc})") from None
-    print_rows(rows)
+    print_rows([row(r, before) for r in merged.values()])
     return 0
+
+
+def merge(old: dict | None, new: dict) -> dict:
+    """Two runs of one scenario as one: the later run's contenders replace those of the
+    same name (e.g. Auto re-run after a change), the ratios recomputed."""
+    from .contest_cli import ratios
+
+    if old is None:
+        return new
+    names = {r["name"] for r in new["results"]}
+    results = [r for r in old["results"] if r["name"] not in names] + new["results"]
+    return {**old, "results": results, "ratios": ratios(results)}
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench-table", help="contest results side by side with earlier figures (SIMULATED)")
-    p.add_argument("results", nargs="+", help="contest-*.json files written by kvpilot autotune contest")
+    p.add_argument("results", nargs="+", help="contest-*.json files written by kvpilot autotune contest (several "
+                                              "of one scenario merge: a later file's contenders replace earlier ones)")
     p.add_argument("--before", default=None, help="a JSON of earlier figures: {scenario: {auto: ...}}")
     p.set_defaults(func=_cmd)

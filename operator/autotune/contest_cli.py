@@ -147,6 +147,12 @@ def _cmd(args: argparse.Namespace) -> int:
             raise ValueError(f"--scale-controls needs a --time-scale in (0, 1], got {args.time_scale}")
         control_scale = args.time_scale
     contenders = headline_contenders(scen)
+    if args.contenders:
+        kinds = set(args.contenders.split(","))
+        known = {c.kind for c in contenders}
+        if not kinds <= known:
+            raise ValueError(f"contenders takes a comma-separated subset of {sorted(known)}, got {args.contenders!r}")
+        contenders = [c for c in contenders if c.kind in kinds]
     if args.rules_only:
         contenders.append(Contender("auto-rules", scen.max_num_seqs, scen.max_model_len, scen.replicas,
                                     label="kvpilot Auto (rules only)"))
@@ -259,6 +265,8 @@ def add_parser(sub) -> None:
     p.add_argument("--sweep-mbt", default="2048,8192", help="max_num_batched_tokens values of the sweep")
     p.add_argument("--sweep-lens", default="32768")
     p.add_argument("--rules-only", action="store_true", help="also run Auto without the deployment model")
+    p.add_argument("--contenders", default=None, metavar="KINDS",
+                   help="run only these of the headline contenders, e.g. auto,dynamo (default: all)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: one per CPU)")
     p.add_argument("--no-plots", action="store_true", help="no timeline PNGs")
     p.add_argument("--out", default="results")
