@@ -93,3 +93,22 @@ def test_contest_command_on_a_trace_file(tmp_path, capsys):
     assert "rate scaled x2" in out and "clients give up after 30 s" in out
     assert "Dynamo-style SLA planner" in out and "judged on the rest" in out and "SIMULATED" in out
     assert (tmp_path / "contest-mooncake-x2.json").exists()
+
+
+def test_bench_table_merges_a_rerun_and_prints_before_and_now(tmp_path, capsys):
+    from kvpilot.operator.autotune.bench_table import merge, print_rows, row
+
+    def result(auto):
+        rows = [_fake("defaults", "static", 100, 100, 100), _fake("WVA", "wva", 120, 120, 120),
+                _fake("kvpilot Auto", "auto", auto, auto, auto)]
+        for r in rows:
+            r["overall"].update(good=9, requests=10)
+        return {"scenario": "conv", "results": rows, "ratios": {}}
+
+    merged = merge(result(90), {"scenario": "conv", "results": [result(150)["results"][2]]})
+    assert [r["name"] for r in merged["results"]] == ["defaults", "WVA", "kvpilot Auto"]
+    r = row(merged, {"conv": {"auto": 50}})
+    assert (r["auto_before"], r["auto"], r["x_best_replica_only"], r["x_defaults"]) == (50, 150, 1.25, 1.5)
+    print_rows([r])
+    out = capsys.readouterr().out
+    assert "Auto before" in out and "x1.25" in out and "SIMULATED" in out

@@ -69,7 +69,7 @@ def ratios(results: list[dict]) -> dict:
         g, ar = chosen["split"]["rest"]["goodput_per_gpu_hour"], auto["split"]["rest"]["goodput_per_gpu_hour"]
         out["static_chosen_on_first"] = {"name": chosen["name"], "goodput_per_gpu_hour": g,
                                          "auto_goodput_per_gpu_hour": ar, "ratio": ar / g if g else math.inf}
-    if defaults is not None:
+    if defaults is not None and auto["phases"]:
         out["worst_phase_vs_defaults"] = min(
             (ap["goodput_per_gpu_hour"] / dp["goodput_per_gpu_hour"] if dp["goodput_per_gpu_hour"] else math.inf,
              ap["name"]) for ap, dp in zip(auto["phases"], defaults["phases"]))
