@@ -47,8 +47,20 @@ demo: dev node-deps
 # on the local cluster (simulated H100 pods, real operator, Prometheus, HPA controller and
 # KEDA), against the same compressed day in virtual time. Last, the stationary run on the
 # tiny model's real engine pods. Writes results/.
+# Before those: public production traces (Azure LLM inference 2023, conversation and code,
+# each at its real rate and with arrivals x4), each with a 50 % split and clients that give up
+# after 60 s, and the day; today's figures printed beside the ones before issue 38
+# (docs/autotune-bench-before.json). The traces are downloaded once into $(TRACES).
 CONTEST := $(VENV)/bin/kvpilot autotune contest --out results
+TRACES ?= $(KVPILOT_CACHE_DIR)/traces
+AZURE_TRACES := https://raw.githubusercontent.com/Azure/AzurePublicDataset/master/data
+TRACE_CONTEST := $(VENV)/bin/kvpilot autotune contest --out results/traces --split 0.5 --sweep
 autotune-bench: dev node-deps
+	@mkdir -p $(TRACES) results/traces
+	for f in conv code; do test -s $(TRACES)/AzureLLMInferenceTrace_$$f.csv || curl -fsSL -o $(TRACES)/AzureLLMInferenceTrace_$$f.csv $(AZURE_TRACES)/AzureLLMInferenceTrace_$$f.csv || exit 1; done
+	for f in conv code; do for x in 1 4; do $(TRACE_CONTEST) --trace $(TRACES)/AzureLLMInferenceTrace_$$f.csv --trace-format azure2023 --trace-rate-scale $$x --client-timeout 60 || exit 1; done; done
+	$(TRACE_CONTEST) --scenario day --sweep-seqs 128,256 --sweep-mbt 8192 --sweep-lens 32768
+	$(VENV)/bin/kvpilot autotune bench-table results/traces/contest-*.json --before docs/autotune-bench-before.json
 	$(CONTEST) --scenario day --sweep --sweep-seqs 128,256 --sweep-lens 32768
 	for s in preemption long-max-model-len scheduler-bound; do $(CONTEST) --scenario $$s || exit 1; done
 	$(PY) e2e/day_contest.py --out results

@@ -115,15 +115,32 @@ class LLMEngine:
         return self.scheduler.limits.max_num_seqs
 
     @property
+    def max_num_batched_tokens(self) -> int:
+        """The chunk budget in effect (live; at most the configured one)."""
+        return self.scheduler.limits.max_num_batched_tokens
+
+    @property
     def num_speculative_tokens(self) -> int | None:
         """Drafts per step in effect (0: off), or None when speculation is not configured."""
         return None if self.speculator is None else self.speculator.num_speculative_tokens
 
     def update_limits(self, *, max_num_seqs: int | None = None, max_model_len: int | None = None,
-                      num_speculative_tokens: int | None = None) -> None:
-        """Apply live-tunable limits; ValueError (naming the field) leaves all unchanged."""
+                      num_speculative_tokens: int | None = None,
+                      max_num_batched_tokens: int | None = None) -> None:
+        """Apply live-tunable limits; ValueError (naming the field) leaves all unchanged.
+        max_num_batched_tokens (the chunk budget) may move within [max_num_seqs, the value
+        the engine started with]: activation memory was profiled for that one."""
         if max_num_seqs is not None:
             positive_int("max_num_seqs", max_num_seqs)
+        if max_num_batched_tokens is not None:
+            positive_int("max_num_batched_tokens", max_num_batched_tokens)
+            if max_num_batched_tokens > self.config.max_num_batched_tokens:
+                raise ValueError(f"max_num_batched_tokens {max_num_batched_tokens} exceeds the "
+                                 f"{self.config.max_num_batched_tokens} the engine started with (its activation "
+                                 f"memory is sized for that)")
+            seqs = max_num_seqs if max_num_seqs is not None else self.scheduler.limits.max_num_seqs
+            if max_num_batched_tokens < seqs:
+                raise ValueError(f"max_num_batched_tokens {max_num_batched_tokens} must be >= max_num_seqs ({seqs})")
         if max_model_len is not None:
             positive_int("max_model_len", max_model_len)
             self._check_max_model_len(max_model_len)
@@ -137,6 +154,8 @@ class LLMEngine:
             self.scheduler.limits.max_num_seqs = max_num_seqs
         if max_model_len is not None:
             self.scheduler.limits.max_model_len = max_model_len
+        if max_num_batched_tokens is not None:
+            self.scheduler.limits.max_num_batched_tokens = max_num_batched_tokens
 
     # --- requests ----------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:

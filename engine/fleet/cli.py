@@ -27,13 +27,45 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                           "scheduler-bound (kvpilot sim scenarios lists them with the accelerator and "
                           "settings `kvpilot autotune contest` runs them on)")
     w.add_argument("--trace-seed", type=int, default=0, help="the trace generator's seed")
+    add_trace_options(w)
 
 
-def trace_from_args(args, max_len: int | None):
-    from .trace import Phase, generate, read_trace
+def add_trace_options(w) -> None:
+    """How a --trace file is read: shared by `sim run`, `autotune simulate` and `contest`."""
+    from .trace_formats import FORMATS
+
+    w.add_argument("--trace-format", default="kvpilot", choices=FORMATS,
+                   help="the --trace file's schema: kvpilot JSONL, Azure LLM inference 2023/2024 CSV, "
+                        "BurstGPT CSV, Mooncake JSONL (hash_ids: shared prefix blocks)")
+    w.add_argument("--trace-start", type=float, default=0.0, metavar="S",
+                   help="replay from this many seconds after the trace's first request")
+    w.add_argument("--trace-duration", type=float, default=None, metavar="S", help="replay this many seconds")
+    w.add_argument("--trace-rate-scale", type=float, default=1.0, metavar="X",
+                   help="arrivals X times as fast (inter-arrival gaps divided by X)")
+    w.add_argument("--trace-block-size", type=int, default=512, help="tokens per hash id (mooncake)")
+    w.add_argument("--no-clip", action="store_true",
+                   help="keep requests longer than the model's context (they are refused) instead of clipping")
+
+
+def load_trace_from_args(args, max_context: int | None):
+    """The --trace file as LoadedTrace (trace_formats), its notes printed by the caller."""
+    from .trace_formats import TraceOptions, load_trace
+
+    opts = TraceOptions(fmt=args.trace_format, start_s=args.trace_start, duration_s=args.trace_duration,
+                        rate_scale=args.trace_rate_scale, block_size=args.trace_block_size,
+                        max_context=None if args.no_clip else max_context)
+    return load_trace(args.trace, opts)
+
+
+def trace_from_args(args, max_len: int | None, context: int | None = None):
+    from .trace import Phase, generate
 
     if args.trace:
-        return read_trace(args.trace)
+        loaded = load_trace_from_args(args, context)
+        s = loaded.summary()
+        print(f"trace {s['source']}: {s['requests']} requests over {s['duration_s']:.0f} s "
+              f"({s['mean_rate_per_s']:.2f}/s)" + "".join(f"; {n}" for n in loaded.notes), file=sys.stderr)
+        return loaded.requests
     if getattr(args, "scenario", None):
         from .scenarios import scenario
 
@@ -63,7 +95,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     goodput = parse_goodput(args.goodput)
     fleet = Fleet(config, replicas=args.replicas, router=args.router,
                   scrape_interval=args.scrape_interval, max_concurrency=args.max_concurrency)
-    trace = trace_from_args(args, fleet.replicas[0].engine.max_model_len)
+    engine = fleet.replicas[0].engine
+    trace = trace_from_args(args, engine.max_model_len, engine.runner.max_position_embeddings)
     if not trace:
         raise ValueError("phase: the phases generate no requests (every rate is 0 or too low for the duration)")
     horizon = max(r.arrival for r in trace)

@@ -118,6 +118,16 @@ class Replica:
             return
         self.live[rid] = sim
 
+    def give_up(self, rid: str, now: float) -> bool:
+        """The client of a request with no token yet leaves: aborted, counted as failed."""
+        group = self.engine.outputs.group(rid)
+        if group is None or any(c.output_token_ids for c in group.children):
+            return False
+        self.engine.abort_request(rid)
+        sim = self.live.pop(rid)
+        sim.error, sim.finished, sim.finish_reason = "client timeout: no token in time", now, "abort"
+        return True
+
     @staticmethod
     def _refuse(sim: SimRequest, error: str, now: float) -> None:
         sim.error, sim.finished, sim.finish_reason = error, now, "error"
@@ -140,7 +150,8 @@ class Fleet:
 
     def __init__(self, config: EngineConfig, replicas: int = 1, router: str = "round-robin",
                  scrape_interval: float | None = None, max_concurrency: int | None = None,
-                 on_scrape: Callable[[Scrape], None] | None = None, keep_scrapes: bool = True) -> None:
+                 on_scrape: Callable[[Scrape], None] | None = None, keep_scrapes: bool = True,
+                 client_timeout: float | None = None) -> None:
         if config.simulate is None:
             raise ValueError("the fleet simulator needs a simulated accelerator (simulate=...)")
         if router not in ROUTERS:
@@ -150,6 +161,12 @@ class Fleet:
             raise ValueError(f"scrape_interval must be positive, got {scrape_interval!r}")
         if max_concurrency is not None:
             positive_int("max_concurrency", max_concurrency)
+        if client_timeout is not None and not client_timeout > 0:
+            raise ValueError(f"client_timeout must be positive, got {client_timeout!r}")
+        # A client that has had no token this long after sending gives up (the request is
+        # aborted, as a closed connection aborts it in the server): (deadline, index, replica).
+        self.client_timeout = client_timeout
+        self._deadlines: list[tuple[float, int, Replica]] = []
         # Closed loop, as `bench serve --max-concurrency`: a request is sent once one of
         # the slots is free; the heap holds the times the free slots became free.
         self._slots: list[float] | None = [0.0] * max_concurrency if max_concurrency else None
@@ -163,6 +180,7 @@ class Fleet:
         # theirs, world_size each (tensor_parallel_size x pipeline_parallel_size).
         self.gpu_timeline: list[tuple[float, int]] = []
         self.num_speculative_tokens: int | None = None  # a live K set_limits applied, if any
+        self.live_batched_tokens: int | None = None  # a live chunk budget set_limits applied, if any
         for _ in range(replicas):
             self.add_replica()
         self.vocab = self.replicas[0].engine.runner.tokens.low, self.replicas[0].engine.runner.vocab_size
@@ -188,6 +206,8 @@ class Fleet:
         if self.num_speculative_tokens is not None:  # a live K set earlier, as a pod's flags would carry
             r.engine.update_limits(num_speculative_tokens=self.num_speculative_tokens)
             r.metrics.record_stats(r.engine.stats())
+        if self.live_batched_tokens is not None:  # as the tuning file reaches a new pod
+            r.engine.update_limits(max_num_batched_tokens=self.live_batched_tokens)
         self.replicas.append(r)
         self._record_gpus()
         return r
@@ -211,7 +231,11 @@ class Fleet:
         (ValueError leaves them: the replicas share one model, so the first refuses before
         any changes)."""
         spec_k = limits.pop("num_speculative_tokens", None)
-        config = replace(self.config, **{k: v for k, v in limits.items() if v is not None})
+        # A live chunk budget stays in the engines (the config keeps the one they started with,
+        # their ceiling); replicas added later get it applied below.
+        self.live_batched_tokens = limits.get("max_num_batched_tokens") or self.live_batched_tokens
+        config = replace(self.config, **{k: v for k, v in limits.items()
+                                         if v is not None and k != "max_num_batched_tokens"})
         for r in self.replicas:
             r.engine.update_limits(**limits, num_speculative_tokens=spec_k)
         self.config = config  # replicas added later start with these
@@ -256,7 +280,8 @@ class Fleet:
             work = [t for t in (arrival, step_at) if t is not None]
             if not work and math.isinf(t_end):
                 break
-            timers = [x for x in (self._next_scrape, self._starting[0] if self._starting else None) if x is not None]
+            timers = [x for x in (self._next_scrape, self._starting[0] if self._starting else None,
+                                  self._deadlines[0][0] if self._deadlines else None) if x is not None]
             t = min(work + timers, default=t_end)
             if t >= t_end:
                 break
@@ -266,6 +291,13 @@ class Fleet:
                 self.add_replica()
             elif self._next_scrape is not None and t == self._next_scrape:
                 self._scrape(t)
+            elif self._deadlines and t == self._deadlines[0][0]:
+                _, index, replica = heapq.heappop(self._deadlines)
+                sim = self._sims[index]
+                if sim.finished is None and replica.give_up(str(index), t):
+                    self._on_finished(sim)
+                    if self.retired_pending():
+                        self._retire()
             elif arrival is not None and t == arrival:
                 if self._slots is not None:
                     heapq.heappop(self._slots)
@@ -316,6 +348,8 @@ class Fleet:
         replica.add(str(index), req, sim, self.vocab, now)
         if sim.error is not None:
             self._on_finished(sim)
+        elif self.client_timeout is not None:
+            heapq.heappush(self._deadlines, (now + self.client_timeout, index, replica))
 
     def _scrape(self, t: float) -> None:
         for r in self.replicas:

@@ -5,7 +5,7 @@ each phase is judged by (a batch phase only wants its requests done)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ..config.engine import EngineConfig
 from ..config.simulation import SimulationConfig
@@ -58,6 +58,12 @@ class Scenario:
     replicas: int = 1
     max_replicas: int = 1  # what an autoscaler may go up to (a failure case is about one GPU's settings)
     seed: int = 0
+    # A client gives up (and the request counts as failed) when no token has come this many
+    # seconds after it was sent; None: clients wait for ever.
+    client_timeout_s: float | None = None
+    # A replayed trace (trace_formats) instead of the phases' generated traffic; the phases
+    # then only mark stretches of it to judge apart (a split's first part and the rest).
+    requests: tuple[TraceRequest, ...] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.slos) != len(self.phases):
@@ -82,6 +88,8 @@ class Scenario:
         return len(self.phases) - 1
 
     def trace(self) -> list[TraceRequest]:
+        if self.requests is not None:
+            return list(self.requests)
         # Lengths are clipped to the model's context, not to the starting max_model_len: a
         # request longer than the deployment allows is part of the traffic, and refused.
         return list(generate(list(self.phases), seed=self.seed, max_len=131072))
@@ -98,7 +106,22 @@ class Scenario:
         compressed run for a real-time cluster, or a short test."""
         if not 0 < time_factor <= 1000:
             raise ValueError(f"time_factor must be in (0, 1000], got {time_factor!r}")
-        return replace(self, phases=tuple(replace(p, duration=p.duration * time_factor) for p in self.phases))
+        requests = self.requests and tuple(replace(r, arrival=r.arrival * time_factor) for r in self.requests)
+        return replace(self, phases=tuple(replace(p, duration=p.duration * time_factor) for p in self.phases),
+                       requests=requests)
+
+
+def from_trace(name: str, requests: list[TraceRequest], slo: Slo = INTERACTIVE, base: Scenario | None = None,
+               **settings) -> Scenario:
+    """A replayed trace as a scenario of one phase, judged by one objective; the accelerator,
+    model and starting settings from `base` (the day's), each overridable."""
+    if not requests:
+        raise ValueError("trace: no requests to replay")
+    end = max(r.arrival for r in requests) + 1e-6
+    phases = (Phase(name="trace", duration=end, rate=0),)
+    base = base or DAY
+    return replace(base, name=name, summary=f"replayed trace {name}", phases=phases,
+                   slos=(slo,) * len(phases), requests=tuple(requests), **settings)
 
 
 CHAT = dict(input="lognormal:800:0.8", output="lognormal:200:0.7")

@@ -84,3 +84,11 @@ def score(fleet: Judged, scen: Scenario) -> dict:
                        **_stats(reqs, good, fleet.gpu_seconds(start, stop), stop - start)})
     overall = _stats(fleet.requests, total_good, fleet.gpu_seconds(0.0, end), end)
     return {"overall": overall, "phases": phases, "end": end}
+
+
+def window_stats(fleet: Judged, scen: Scenario, start: float, end: float) -> dict:
+    """The run judged on the requests that arrived in [start, end) against the GPU-seconds
+    held then (a split contest's first part, or the rest)."""
+    reqs = [r for r in fleet.requests if start <= r.arrival < end]
+    good = sum(1 for r in reqs if met_slo(r, scen))
+    return _stats(reqs, good, fleet.gpu_seconds(start, end), end - start)

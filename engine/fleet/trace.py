@@ -5,7 +5,12 @@ A line: {"arrival": 1.25, "prompt_len": 812, "output_len": 128} with optional
 "prompt_token_ids" (instead of prompt_len), "prefix_id" and "prefix_len" (the first
 prefix_len prompt tokens are the same for every request with that prefix id: a system
 prompt, a RAG preamble), "ignore_eos" (default true: output_len is exact) and
-"service_tier" (OpenAI's: default, flex or priority; "flex" for batch traffic)."""
+"service_tier" (OpenAI's: default, flex or priority; "flex" for batch traffic).
+
+Block-level prefix identity, as Mooncake's traces carry it: "hash_ids" (one integer per
+block of "block_size" prompt tokens, default 512) says which blocks two prompts share.
+Two requests whose hash_ids agree on their first k entries have the same first k blocks
+of tokens, so a replay hits the prefix cache exactly where the trace says."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from ..metrics.buckets import SERVICE_TIERS
 from ..config.simulation import OutputLengths
 
 MAX_TRACE_TOKENS = 1 << 20  # no single prompt or output in a trace exceeds this
+DEFAULT_HASH_BLOCK = 512  # Mooncake's traces: one hash id per 512 prompt tokens
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,8 @@ class TraceRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = True
     service_tier: str = "default"
+    hash_ids: tuple[int, ...] | None = None  # one per block_size prompt tokens (the last may be partial)
+    block_size: int = DEFAULT_HASH_BLOCK
 
     def token_ids(self, index: int, vocab: tuple[int, int]) -> list[int]:
         """The prompt's token ids: given ones, else deterministic ones, the shared prefix
@@ -41,6 +49,8 @@ class TraceRequest:
         if self.prompt_token_ids is not None:
             return list(self.prompt_token_ids)
         low, span = vocab[0], vocab[1] - vocab[0]
+        if self.hash_ids is not None:
+            return _block_ids(self.hash_ids, self.block_size, self.prompt_len, index, low, span)
         shared = min(self.prefix_len, self.prompt_len) if self.prefix_id else 0
         ids = _random_ids(f"prefix:{self.prefix_id}", shared, low, span) if shared else []
         return ids + _random_ids(f"request:{index}", self.prompt_len - shared, low, span)
@@ -58,7 +68,22 @@ class TraceRequest:
             out["ignore_eos"] = False
         if self.service_tier != "default":
             out["service_tier"] = self.service_tier
+        if self.hash_ids is not None:
+            out["hash_ids"] = list(self.hash_ids)
+            if self.block_size != DEFAULT_HASH_BLOCK:
+                out["block_size"] = self.block_size
         return out
+
+
+def _block_ids(hash_ids: tuple[int, ...], block: int, n: int, index: int, low: int, span: int) -> list[int]:
+    """n prompt token ids: block k is a pure function of hash_ids[k] (its first tokens when
+    the prompt ends inside it); tokens past the last hashed block are the request's own."""
+    ids: list[int] = []
+    for h in hash_ids:
+        if len(ids) >= n:
+            break
+        ids += _random_ids(f"block:{h}:{block}", min(block, n - len(ids)), low, span)
+    return ids + _random_ids(f"request:{index}", n - len(ids), low, span)
 
 
 def _random_ids(key: str, n: int, low: int, span: int) -> list[int]:
@@ -82,7 +107,7 @@ def parse_trace_line(line: str, where: str) -> TraceRequest:
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: a trace line must be a JSON object")
     known = {"arrival", "prompt_len", "prompt_token_ids", "output_len", "prefix_id", "prefix_len", "ignore_eos",
-             "service_tier"}
+             "service_tier", "hash_ids", "block_size"}
     unknown = sorted(set(obj) - known)
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {unknown}; known: {sorted(known)}")
@@ -118,8 +143,27 @@ def parse_trace_line(line: str, where: str) -> TraceRequest:
     tier = obj.get("service_tier", "default")
     if tier not in SERVICE_TIERS:
         raise ValueError(f"{where}: service_tier must be one of {list(SERVICE_TIERS)}, got {tier!r}")
+    hash_ids, block = _hash_ids(obj, where, prompt_len, prefix_id)
     return TraceRequest(float(arrival), prompt_len, _int_field(obj, "output_len", where, 1),
-                        prefix_id, prefix_len, tuple(ids) if ids is not None else None, ignore_eos, tier)
+                        prefix_id, prefix_len, tuple(ids) if ids is not None else None, ignore_eos, tier,
+                        hash_ids, block)
+
+
+def _hash_ids(obj: dict, where: str, prompt_len: int, prefix_id) -> tuple[tuple[int, ...] | None, int]:
+    block = _int_field(obj, "block_size", where, 1) if "block_size" in obj else DEFAULT_HASH_BLOCK
+    raw = obj.get("hash_ids")
+    if raw is None:
+        if "block_size" in obj:
+            raise ValueError(f"{where}: block_size needs hash_ids")
+        return None, block
+    if prefix_id is not None or "prompt_token_ids" in obj:
+        raise ValueError(f"{where}: hash_ids cannot be given with prefix_id or prompt_token_ids")
+    if not isinstance(raw, list) or any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in raw):
+        raise ValueError(f"{where}: hash_ids must be a list of non-negative integers")
+    if len(raw) > -(-prompt_len // block):
+        raise ValueError(f"{where}: hash_ids has {len(raw)} blocks of {block} tokens, more than the prompt's "
+                         f"{prompt_len} tokens fill")
+    return tuple(raw), block
 
 
 def read_trace(path: str | Path) -> list[TraceRequest]:

@@ -98,7 +98,8 @@ class AsyncEngine:
 
     def live_settings(self) -> dict[str, int]:
         """The live-tunable settings in effect (num_speculative_tokens only where configured)."""
-        values = {"max_num_seqs": self.engine.max_num_seqs, "max_model_len": self.engine.max_model_len}
+        values = {"max_num_seqs": self.engine.max_num_seqs, "max_model_len": self.engine.max_model_len,
+                  "max_num_batched_tokens": self.engine.max_num_batched_tokens}
         if self.engine.num_speculative_tokens is not None:
             values["num_speculative_tokens"] = self.engine.num_speculative_tokens
         return values

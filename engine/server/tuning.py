@@ -1,8 +1,11 @@
 """The live tuning file: a JSON object the operator writes (through a ConfigMap mount)
 holding limits the engine can change while serving.
 
-    {"max_num_seqs": 24, "max_model_len": 1024, "num_speculative_tokens": 2}
+    {"max_num_seqs": 24, "max_model_len": 1024, "num_speculative_tokens": 2,
+     "max_num_batched_tokens": 2048}
 
+max_num_batched_tokens (the chunked-prefill budget) moves within [max_num_seqs, the value the
+engine started with].
 The server polls it; a Kubernetes ConfigMap update swaps a symlink, which can leave the
 mtime unchanged, so the content is what is compared. A changed file is validated and
 applied between engine steps, without dropping requests; an invalid one is logged and the
@@ -20,7 +23,7 @@ from ..config.validation import positive_int
 
 log = logging.getLogger("kvpilot.server.tuning")
 
-LIVE_SETTINGS = ("max_num_seqs", "max_model_len", "num_speculative_tokens")
+LIVE_SETTINGS = ("max_num_seqs", "max_model_len", "num_speculative_tokens", "max_num_batched_tokens")
 ZERO_ALLOWED = ("num_speculative_tokens",)  # 0 is a setting (off), not a missing value
 POLL_INTERVAL_S = 0.5
 

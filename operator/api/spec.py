@@ -501,6 +501,10 @@ class AutotuneSpec(Model):
     num_speculative_tokens: Optional[SpecTokensRange] = Field(
         default=None, description="Bounds of num_speculative_tokens (with engine.speculative; default "
                                   "[0, engine.speculative.numSpeculativeTokens]).")
+    max_num_batched_tokens: Optional[IntRange] = Field(
+        default=None, description="Bounds of the live chunked-prefill budget (default [min(512, "
+                                  "engine.maxNumBatchedTokens), engine.maxNumBatchedTokens]; the max is capped "
+                                  "at engine.maxNumBatchedTokens, which the engine sized its memory for).")
     objectives: Objectives = Field(default_factory=Objectives, description="Objectives to tune for.")
     shared_prefix: bool = Field(
         default=False,

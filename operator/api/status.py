@@ -46,6 +46,8 @@ class Effective(Model):
     num_speculative_tokens: Optional[int] = Field(
         default=None, description="Draft tokens per step in effect (0: speculation off); absent "
                                   "without engine.speculative.")
+    max_num_batched_tokens: Optional[int] = Field(
+        default=None, description="The chunked-prefill budget in effect, where the autotuner moved it.")
 
 
 class DecisionStatus(Model):

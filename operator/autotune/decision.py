@@ -62,6 +62,7 @@ class Bounds:
     max_model_len: Range
     replicas: Range
     num_speculative_tokens: Range | None = None
+    max_num_batched_tokens: Range | None = None  # None: the chunk budget is not tuned
 
     def of(self, setting: str) -> Range:
         return getattr(self, setting)
@@ -109,8 +110,10 @@ class Thresholds:
     idle_inflight: float = 0.1
     idle_windows: int = 3  # consecutive idle intervals before a replica is removed
     scale_out_windows: int = 2  # consecutive queue-bound intervals before a replica is added
-    # Length refusals per second above this mean max_model_len is too short.
+    # Length refusals above this many per second and this share of the traffic mean
+    # max_model_len is too short (a stray over-long request is the client's, not the setting's).
     refusal_enter_per_s: float = 0.0
+    refusal_enter_share: float = 0.01
     # Step sizes.
     seq_decrease: float = 0.75  # max_num_seqs x this when preempting ...
     seq_max_decrease: float = 0.5  # ... or toward the capacity bound, but never below x this
@@ -144,6 +147,21 @@ class Thresholds:
     # scale-in it plans waits for this many calm intervals.
     planner: bool = False
     scale_in_windows: int = 5
+    # The model sizes capacity only when fitted on this many windows, fitting them within
+    # this relative error, agreeing with the TPOT the deployment shows within this much,
+    # and certain to this much where it plans to go; otherwise the rules decide.
+    model_min_windows: int = 8
+    # Rules' scale-in (scale_in.py): the replicas left may run at most this share of the cap,
+    # with TPOT p95 now at most this share of the objective.
+    scale_in_load: float = 0.7
+    # The chunk budget (chunk.py) moves when at least this share of the tokens processed are
+    # prompt tokens; it is raised for a queue only while TPOT p95 <= this x the objective.
+    chunk_prompt_share: float = 0.5
+    chunk_raise_tpot_ratio: float = 0.6
+    scale_in_tpot_ratio: float = 0.8
+    model_max_residual: float = 0.15
+    model_max_disagreement: float = 0.2
+    model_max_uncertainty: float = 0.2
     scale_out_cooldown_s: float = 15.0  # a planned scale-out may follow another after this
     # Diagnose-only warning: prefix-cache hit rate below this while prompts share a prefix.
     prefix_hit_low: float = 0.2

@@ -39,7 +39,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from ..runtime import metrics
-from ..manifests.objects import INSTANCE_LABEL
+from ..manifests.objects import INSTANCE_LABEL, chunk_bounds
 from .context import AutotuneContext, AutotuneOutcome
 from ..api.spec import DEFAULT_PROMETHEUS_URL, GROUP, KIND, VERSION, LLMDeploymentSpec, spec_tokens_bounds
 from ..api.status import AutotuneStatus, Condition, Effective
@@ -117,7 +117,8 @@ def bounds_for(spec: LLMDeploymentSpec) -> Bounds:
     return Bounds(max_num_seqs=Range(a.max_num_seqs.min, a.max_num_seqs.max),
                   max_model_len=Range(a.max_model_len.min, a.max_model_len.max),
                   replicas=Range(spec.autoscaling.min_replicas, spec.autoscaling.max_replicas),
-                  num_speculative_tokens=Range(*spec_tokens) if spec_tokens is not None else None)
+                  num_speculative_tokens=Range(*spec_tokens) if spec_tokens is not None else None,
+                  max_num_batched_tokens=Range(*chunk_bounds(spec)))
 
 
 def last_decision_time(prev: AutotuneStatus | None) -> float | None:
@@ -178,7 +179,8 @@ def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None 
     current = Settings(
         max_num_seqs=ctx.effective.max_num_seqs, max_model_len=ctx.effective.max_model_len,
         replicas=ctx.effective.replicas if ctx.effective.replicas is not None else spec.replicas,
-        block_size=spec.engine.block_size, max_num_batched_tokens=spec.engine.max_num_batched_tokens,
+        block_size=spec.engine.block_size,
+        max_num_batched_tokens=ctx.effective.max_num_batched_tokens or spec.engine.max_num_batched_tokens,
         hpa_owns_scale=_hpa_owns_scale(kube, owner.namespace, owner.name),
         num_speculative_tokens=ctx.effective.num_speculative_tokens)
     thresholds = thresholds_for(spec)
@@ -228,7 +230,9 @@ def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None 
                              max_model_len=values.get("max_model_len", current.max_model_len),
                              replicas=replicas if auto else values.get("replicas", current.replicas),
                              num_speculative_tokens=values.get("num_speculative_tokens",
-                                                               current.num_speculative_tokens))
+                                                               current.num_speculative_tokens),
+                             max_num_batched_tokens=values.get("max_num_batched_tokens",
+                                                               ctx.effective.max_num_batched_tokens))
     # The Events and counter wait for the status write (reconcile runs `announce` after it).
     announce = functools.partial(_announce_change, kube, owner, decision) if applied else None
     fresh = [a for a in advice if (a.setting, a.value) not in {(b.setting, b.value) for b in before}]

@@ -43,6 +43,8 @@ def blocked_move(history: History, setting: str, direction: int, now: float, t: 
             return f"{setting} was reverted {ago(now, d.time)}; not retrying that move yet"
         if setting == "max_model_len" and direction < 0 and moved > 0:
             return f"max_model_len was raised {ago(now, d.time)}; not lowering it again yet"
+        if setting == "max_num_batched_tokens" and direction > 0 and moved < 0:
+            return f"max_num_batched_tokens was lowered {ago(now, d.time)}; not raising it again yet"
         if setting == "num_speculative_tokens" and direction > 0 and moved < 0:
             return f"num_speculative_tokens was lowered {ago(now, d.time)}; not raising it again yet"
     return None

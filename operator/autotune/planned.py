@@ -4,10 +4,12 @@ moves only the way the diagnosis points, a reverted move is not retried."""
 
 from __future__ import annotations
 
+import math
+
 from .decision import Bounds, Diagnosis, Settings, Thresholds
 from .history import History, HistoryEntry
 from .memory import PRESSURE, blocked_move, cap_in_window
-from .planner import Plan, fit, plan
+from .planner import Plan, StepModel, fit, plan
 from .signals import Snapshot
 
 # Where the fitted deployment model sizes replicas and batch width; the other diagnoses
@@ -16,12 +18,43 @@ PLANNED = (Diagnosis.TPOT_BOUND, Diagnosis.SCHEDULER_BOUND, Diagnosis.HARDWARE_B
 
 
 def plan_from_history(s: Snapshot, cur: Settings, bounds: Bounds, history: History, now: float,
-                      t: Thresholds) -> Plan | None:
-    """This interval's plan, or None (the model is off, not fitted yet, or has no demand)."""
+                      t: Thresholds) -> tuple[Plan | None, str]:
+    """(this interval's plan, or None when the rules decide instead; why the model is not
+    used, or ""). The model drives only once it is supported by enough windows, fits them,
+    agrees with the TPOT the deployment shows now, and is certain where it plans to go."""
     if not t.planner:
-        return None
+        return None, ""
     model = fit(history, now)
-    return plan(s, cur, bounds, model, t) if model is not None else None
+    if model is None:
+        return None, ""
+    why_not = distrust(model, s, cur, t)
+    p = plan(s, cur, bounds, model, t) if not why_not else None
+    if p is not None and p.replicas != cur.replicas and not p.uncertainty <= t.model_max_uncertainty:
+        err = f"+/-{100 * p.uncertainty:.0f}%" if p.uncertainty < math.inf else "unknown"
+        why_not = (f"its TPOT at the {p.replicas} replicas it plans is uncertain ({err} > "
+                   f"{100 * t.model_max_uncertainty:.0f}%)")
+        p = None
+    if why_not:
+        return None, f"rules decide: the model ({model}) {why_not}"
+    return p, ""
+
+
+def distrust(model: StepModel, s: Snapshot, cur: Settings, t: Thresholds | None = None) -> str:
+    """Why the fitted model must not size capacity yet ("" when it may)."""
+    t = t or Thresholds()
+    if model.windows < t.model_min_windows:
+        return f"is fitted on {model.windows} windows (< {t.model_min_windows})"
+    if model.cov is None:
+        return "has windows too alike to tell its three terms apart"
+    if model.residual > t.model_max_residual:
+        return f"fits its own windows only to +/-{100 * model.residual:.0f}%"
+    pods = len(s.pods) or cur.replicas
+    if s.tpot_mean_s and s.num_running and s.prompt_tokens_per_s is not None and pods:
+        predicted = model.tpot(s.num_running / pods, s.prompt_tokens_per_s / pods)
+        if not abs(predicted / s.tpot_mean_s - 1.0) <= t.model_max_disagreement:
+            return (f"predicts a mean TPOT of {1000 * predicted:.1f}ms where the deployment shows "
+                    f"{1000 * s.tpot_mean_s:.1f}ms")
+    return ""
 
 
 def scale_out_in_cooldown(diagnosis: Diagnosis, cur: Settings, p: Plan | None, last: HistoryEntry,

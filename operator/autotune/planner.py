@@ -56,6 +56,22 @@ class StepModel:
     b: float
     c: float
     windows: int
+    # How well it fits: the weighted RMS relative error over its windows, and the
+    # coefficients' covariance in prior-scaled units (None: too few windows, or windows too
+    # alike, to tell the three terms apart), with the scale those units use.
+    residual: float = math.inf
+    cov: tuple[tuple[float, ...], ...] | None = None
+    scale: tuple[float, float, float] = (1.0, 1.0, 1.0)
+
+    def uncertainty(self, running: float, prompt_tokens_per_s: float) -> float:
+        """The relative standard error of the predicted TPOT at this operating point (inf
+        when the data cannot tell)."""
+        y = self.tpot(running, prompt_tokens_per_s)
+        if self.cov is None or not math.isfinite(y) or y <= 0:
+            return math.inf
+        g = [self.scale[0] / y, running * self.scale[1] / y, prompt_tokens_per_s * self.scale[2]]
+        var = sum(g[i] * self.cov[i][j] * g[j] for i in range(3) for j in range(3))
+        return math.sqrt(max(var, 0.0))
 
     def tpot(self, running: float, prompt_tokens_per_s: float) -> float:
         left = 1.0 - self.c * prompt_tokens_per_s
@@ -69,8 +85,10 @@ class StepModel:
         return room / self.b if self.b > 0 else math.inf
 
     def __str__(self) -> str:
+        fit = f"+/-{100 * self.residual:.0f}%" if math.isfinite(self.residual) else "unknown"
         return (f"TPOT ~= ({1000 * self.a:.1f}ms + {1000 * self.b:.3f}ms x running) / "
-                f"(1 - {1e6 * self.c:.2f}us x prompt tok/s), per replica, fitted on {self.windows} windows")
+                f"(1 - {1e6 * self.c:.2f}us x prompt tok/s), per replica, fitted on {self.windows} windows "
+                f"(residual {fit})")
 
 
 def observation(s: Snapshot, replicas: int) -> Observation | None:
@@ -107,16 +125,47 @@ def fit(history: History, now: float, ps: PlannerSettings = PlannerSettings()) -
             aty[i] += w * row[i]
             for j in range(3):
                 ata[i][j] += w * row[i] * row[j]
-    for i in range(3):
-        ata[i][i] += ps.prior_weight
-        aty[i] += ps.prior_weight * 1.0
-    coef = _solve(ata, aty)
+    data_only = [row[:] for row in ata]
+    # Once the windows alone determine all three terms (non-negative), the prior steps
+    # aside: its pull along a poorly covered direction would read as misfit.
+    coef = _solve(data_only, aty) if len(obs) > 3 else None
+    if coef is None or min(coef) < 0:
+        for i in range(3):
+            ata[i][i] += ps.prior_weight
+            aty[i] += ps.prior_weight * 1.0
+        coef = _solve(ata, aty)
     if coef is None:
         return None
     a, b, c = (max(coef[i] * scale[i], 0.0) for i in range(3))
     if a + b <= 0:
         return None
-    return StepModel(a, b, c, len(obs))
+    residual, cov = _fit_quality(obs, now, ps, scale, coef, data_only)
+    return StepModel(a, b, c, len(obs), residual, cov, tuple(scale))
+
+
+def _fit_quality(obs, now: float, ps: PlannerSettings, scale: list[float], coef: list[float],
+                 data_only: list[list[float]]):
+    """(weighted RMS relative error, covariance of the scaled coefficients from the data
+    alone, or None when they do not determine all three)."""
+    sw = sw2 = sse = 0.0
+    for o in obs:
+        w = 0.5 ** ((now - o.time) / ps.half_life_s)
+        row = [scale[0] / o.tpot_s, o.running * scale[1] / o.tpot_s, o.prompt_tokens_per_s * scale[2]]
+        r = sum(row[i] * coef[i] for i in range(3)) - 1.0
+        sw, sw2, sse = sw + w, sw2 + w * w, sse + w * r * r
+    residual = math.sqrt(sse / sw) if sw > 0 else math.inf
+    n_eff = sw * sw / sw2 if sw2 > 0 else 0.0
+    if n_eff <= 3.5:
+        return residual, None
+    # A floor on the noise: a perfect fit of a few windows is luck, not certainty.
+    s2 = max(sse / sw * n_eff / (n_eff - 3), 0.02 ** 2)
+    cols = [_solve(data_only, [1.0 if k == i else 0.0 for k in range(3)]) for i in range(3)]
+    if any(col is None for col in cols):
+        return residual, None
+    cov = tuple(tuple(s2 * cols[j][i] for j in range(3)) for i in range(3))
+    if any(cov[i][i] < 0 for i in range(3)):
+        return residual, None
+    return residual, cov
 
 
 def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
@@ -143,6 +192,7 @@ class Plan:
     replicas: int
     max_num_seqs: int
     reason: str
+    uncertainty: float = math.inf  # the model's relative error at the planned operating point
 
 
 def _p95_after(s: Snapshot, cur: Settings, replicas: int, model: StepModel) -> float:
@@ -254,4 +304,6 @@ def plan(s: Snapshot, cur: Settings, bounds: Bounds, model: StepModel, t: Thresh
         why += f"; short of capacity even at {hi} replicas, so the batch is not narrowed"
     if kv_cap < math.inf and x >= kv_cap - 1e-9:
         why += f" (the KV cache holds ~{kv_cap:.0f} sequences of the mean length)"
-    return Plan(need, seqs, why)
+    err = model.uncertainty(x if math.isfinite(x) else 1.0, prompt / need)
+    why += f"; uncertainty there +/-{100 * err:.0f}%" if math.isfinite(err) else "; uncertainty there unknown"
+    return Plan(need, seqs, why, err)

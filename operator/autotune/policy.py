@@ -25,10 +25,12 @@ from __future__ import annotations
 import math
 
 from .capacity import CapacityPlan
+from .chunk import chunk_change
 from .decision import Action, Bounds, Decision, Diagnosis, Settings, Thresholds
 from .history import History
 from .memory import PRESSURE, QUEUE_BOUND, blocked_move, broken_width, cap_in_window
 from .planned import PLANNED, plan_from_history, planned_change, scale_out_in_cooldown
+from .scale_in import scale_in_when_calm
 from .signals import Snapshot
 from .speculation import speculation_change
 from .steps import (len_target, lower_seqs, lower_seqs_for_tpot, raise_seqs, round_up, seqs_ceiling,
@@ -83,7 +85,9 @@ def decide(
                    for k in live if snapshot.reported(k) and snapshot.reported(k) != {getattr(current, k)}]
     if unconfirmed:
         return hold(f"{evidence}; waiting for the pods to report " + ", ".join(unconfirmed))
-    model_plan = plan_from_history(snapshot, current, bounds, history, now, thresholds)
+    model_plan, model_note = plan_from_history(snapshot, current, bounds, history, now, thresholds)
+    if model_note and diagnosis in PLANNED:
+        evidence = f"{evidence}; {model_note}"
     last = history.last_applied()
     if last is not None and now - last.decision.time < thresholds.cooldown_s and not scale_out_in_cooldown(
             diagnosis, current, model_plan, last, now, thresholds):
@@ -101,6 +105,12 @@ def decide(
         proposal = planned_change(diagnosis, snapshot, current, model_plan, history, now, thresholds)
         if proposal is not None:
             proposal, planned = proposal[:4], proposal[4]
+    if proposal is None or not proposal[0]:
+        # The chunk budget before the batch width or replicas: a live, cheap move that the
+        # fixed-ratio rules would otherwise spend on a narrower batch.
+        chunk = chunk_change(diagnosis, snapshot, current, bounds, history, now, thresholds)
+        if chunk is not None:
+            proposal = chunk
     if proposal is None:
         proposal = _act(diagnosis, snapshot, current, bounds, history, now, capacity, thresholds)
     if proposal is None or not proposal[0]:
@@ -143,15 +153,7 @@ def _diagnose(s: Snapshot, cur: Settings, bounds: Bounds, history: History,
               t: Thresholds) -> tuple[Diagnosis, str]:
     prev = history.last_diagnosis()
     preempt_level = t.preempt_exit_per_s if prev is Diagnosis.PREEMPTION_BOUND else t.preempt_enter_per_s
-    in_queue = prev in QUEUE_BOUND
-    queue_level = t.queue_exit_s if in_queue else t.queue_enter_s
-    waiting_level = t.waiting_exit if in_queue else t.waiting_enter
-    full_level = t.kv_full_exit if prev in (Diagnosis.KV_CACHE_BOUND, Diagnosis.HARDWARE_BOUND) else t.kv_full_enter
-    low_level = t.kv_low_exit if prev is Diagnosis.SCHEDULER_BOUND else t.kv_low_enter
-
-    queue_p95 = s.queue_time_p95_s or 0.0
     kv = f"KV usage mean {s.kv_usage_mean:.0%} max {s.kv_usage_max:.0%}"
-    queue = f"queue p95 {queue_p95:.2f}s, {s.num_waiting:.1f} waiting"
     if s.request_rate_per_s < t.idle_rate_per_s and s.num_running + s.num_waiting < t.idle_inflight:
         return Diagnosis.IDLE, (f"idle: {s.request_rate_per_s:.3f} req/s, "
                                 f"{s.num_running + s.num_waiting:.2f} in flight")
@@ -163,10 +165,32 @@ def _diagnose(s: Snapshot, cur: Settings, bounds: Bounds, history: History,
         return Diagnosis.PREEMPTION_BOUND, (
             f"preemptions {s.preemptions_per_s:.2f}/s{per} (>= {preempt_level:g}/s and "
             f"{per_request_level:g}) with {kv}: the engine recomputes evicted sequences instead of serving")
-    refusals = s.length_refusals_per_s
-    if refusals is not None and refusals > t.refusal_enter_per_s:
-        return Diagnosis.LENGTH_BOUND, (
-            f"{refusals:.2f} requests/s refused for length at max_model_len={cur.max_model_len}")
+    refusals = s.length_refusals_per_s or 0.0
+    share = refusals / (refusals + (s.request_rate_per_s or 0.0)) if refusals > 0 else 0.0
+    if refusals > t.refusal_enter_per_s and share >= t.refusal_enter_share:
+        refused = (f"{refusals:.2f} requests/s ({share:.1%} of traffic) refused for length at "
+                   f"max_model_len={cur.max_model_len}")
+        if cur.max_model_len < bounds.max_model_len.max:
+            return Diagnosis.LENGTH_BOUND, refused
+        # At its bound there is nothing to raise: the refusals are the traffic's, and the
+        # rest of the deployment (its queue, TPOT, capacity) still needs diagnosing.
+        diagnosis, evidence = _diagnose_load(s, cur, bounds, history, t)
+        return diagnosis, f"{evidence}; {refused} (its bound: nothing to raise)"
+    return _diagnose_load(s, cur, bounds, history, t)
+
+
+def _diagnose_load(s: Snapshot, cur: Settings, bounds: Bounds, history: History,
+                   t: Thresholds) -> tuple[Diagnosis, str]:
+    """TPOT, then queueing split by what binds (the rest of _diagnose)."""
+    prev = history.last_diagnosis()
+    in_queue = prev in QUEUE_BOUND
+    queue_level = t.queue_exit_s if in_queue else t.queue_enter_s
+    waiting_level = t.waiting_exit if in_queue else t.waiting_enter
+    full_level = t.kv_full_exit if prev in (Diagnosis.KV_CACHE_BOUND, Diagnosis.HARDWARE_BOUND) else t.kv_full_enter
+    low_level = t.kv_low_exit if prev is Diagnosis.SCHEDULER_BOUND else t.kv_low_enter
+    queue_p95 = s.queue_time_p95_s or 0.0
+    kv = f"KV usage mean {s.kv_usage_mean:.0%} max {s.kv_usage_max:.0%}"
+    queue = f"queue p95 {queue_p95:.2f}s, {s.num_waiting:.1f} waiting"
     objective = t.tpot_objective_s
     if objective is not None and s.tpot_p95_s is not None and s.tpot_p95_s > objective:
         return Diagnosis.TPOT_BOUND, (
@@ -264,6 +288,8 @@ def _act(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, histo
         return _scale_out(cur, bounds, history, s, t, blocked, Diagnosis.HARDWARE_BOUND)
     if diagnosis is Diagnosis.HARDWARE_BOUND:
         return _scale_out(cur, bounds, history, s, t, "", diagnosis)
+    if diagnosis is Diagnosis.HEALTHY:
+        return scale_in_when_calm(s, cur, bounds, history, now, t)
     return None
 
 
@@ -300,7 +326,7 @@ def _scale_in(cur: Settings, bounds: Bounds, history: History, t: Thresholds):
 
 def _clamp_to_bounds(cur: Settings, bounds: Bounds) -> dict:
     out = {}
-    for k in ("max_num_seqs", "max_model_len", "replicas", "num_speculative_tokens"):
+    for k in ("max_num_seqs", "max_model_len", "replicas", "num_speculative_tokens", "max_num_batched_tokens"):
         if k == "replicas" and cur.hpa_owns_scale:
             continue
         v, r = getattr(cur, k), bounds.of(k)

@@ -77,14 +77,30 @@ def effective_settings(spec: LLMDeploymentSpec, tuned: Effective | None = None) 
         if tuned.replicas is not None:
             a = spec.autoscaling
             replicas = min(max(tuned.replicas, a.min_replicas), a.max_replicas)
+    chunk = None
+    if tuned is not None and spec.autotune.mode == "Auto" and tuned.max_num_batched_tokens is not None:
+        lo, hi = chunk_bounds(spec)
+        chunk = min(max(tuned.max_num_batched_tokens, lo, seqs), hi)
     return Effective(max_num_seqs=seqs, max_model_len=model_len, replicas=replicas,
-                     num_speculative_tokens=spec_tokens)
+                     num_speculative_tokens=spec_tokens, max_num_batched_tokens=chunk)
+
+
+def chunk_bounds(spec: LLMDeploymentSpec) -> tuple[int, int]:
+    """(min, max) of the live max_num_batched_tokens: autotune.maxNumBatchedTokens within
+    [1, engine.maxNumBatchedTokens] (the engine's memory is sized for that ceiling)."""
+    top = spec.engine.max_num_batched_tokens
+    r = spec.autotune.max_num_batched_tokens
+    if r is None:
+        return min(512, top), top
+    return min(r.min, top), min(r.max, top)
 
 
 def tuning_json(effective: Effective) -> str:
     values = {"max_num_seqs": effective.max_num_seqs, "max_model_len": effective.max_model_len}
     if effective.num_speculative_tokens is not None:  # only where the engine speculates
         values["num_speculative_tokens"] = effective.num_speculative_tokens
+    if effective.max_num_batched_tokens is not None:  # only once the autotuner moved it
+        values["max_num_batched_tokens"] = effective.max_num_batched_tokens
     return json.dumps(values, sort_keys=True)
 
 

@@ -25,6 +25,7 @@ from .promql_lite import TSDB
 from ..signals import Snapshot
 
 NAMESPACE, NAME, LABEL = "sim", "sim", "llmdeployment"
+CHUNK_MIN = 512  # the smallest chunk budget the autotuner goes to by default
 
 
 class VirtualPrometheus:
@@ -85,9 +86,11 @@ class Interval:
     max_model_len: int
     replicas: int
     num_speculative_tokens: int | None = None  # None: the fleet does not speculate
+    max_num_batched_tokens: int | None = None
 
 
-LIVE_LIMITS = ("max_num_seqs", "max_model_len", "num_speculative_tokens")  # engine.update_limits'
+LIVE_LIMITS = ("max_num_seqs", "max_model_len", "num_speculative_tokens",
+               "max_num_batched_tokens")  # engine.update_limits'
 
 
 def current_settings(fleet: Fleet) -> Settings:
@@ -95,13 +98,17 @@ def current_settings(fleet: Fleet) -> Settings:
     cfg = fleet.config
     return Settings(max_num_seqs=engine.max_num_seqs, max_model_len=engine.max_model_len,
                     replicas=fleet.num_replicas, block_size=cfg.block_size,
-                    max_num_batched_tokens=cfg.max_num_batched_tokens,
+                    max_num_batched_tokens=engine.max_num_batched_tokens,
                     num_speculative_tokens=engine.num_speculative_tokens)
 
 
 def with_spec_bounds(bounds: Bounds, fleet: Fleet) -> Bounds:
     """The bounds with num_speculative_tokens' default where the fleet speculates and none
     was given: [0, the configured K], as an LLMDeployment's (spec_tokens_bounds)."""
+    if bounds.max_num_batched_tokens is None:
+        # The chunk budget moves below the one the replicas started with (their ceiling).
+        top = fleet.config.max_num_batched_tokens
+        bounds = replace(bounds, max_num_batched_tokens=Range(min(CHUNK_MIN, top), top))
     spec = fleet.config.speculative_config
     if bounds.num_speculative_tokens is not None or spec is None:
         return bounds
@@ -183,7 +190,8 @@ class AutoController:
                 applied = False
                 decision = Decision(t, decision.diagnosis, Action.HOLD, f"{decision.reason}; not applied: {exc}")
         self.history = self.history.record(decision, applied)
-        iv = Interval(t, snap, decision, applied, *_effective(fleet))
+        iv = Interval(t, snap, decision, applied, *_effective(fleet),
+                      fleet.replicas[0].engine.max_num_batched_tokens)
         self.intervals.append(iv)
         if self.on_interval is not None:
             self.on_interval(iv)

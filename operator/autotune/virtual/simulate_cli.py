@@ -45,7 +45,8 @@ def _cmd(args: argparse.Namespace) -> int:
                             thresholds=thresholds, replica_startup_s=args.replica_startup)
     fleet = Fleet(config, replicas=args.replicas, router=args.router, scrape_interval=args.scrape_interval,
                   max_concurrency=args.max_concurrency, keep_scrapes=bool(args.plot))
-    trace = trace_from_args(args, fleet.replicas[0].engine.max_model_len)
+    engine = fleet.replicas[0].engine
+    trace = trace_from_args(args, engine.max_model_len, engine.runner.max_position_embeddings)
     if not trace:
         raise ValueError("phase: the phases generate no requests")
     print(f"SIMULATED {config.simulate.accelerator} serving {config.simulate.model}, virtual time; "
@@ -78,6 +79,8 @@ def _cmd(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers) -> None:
     from kvpilot.engine.config.args import add_engine_args
+
+    from ..loop_defaults import COOLDOWN_S, INTERVAL_S, REPLICA_STARTUP_S, SCRAPE_S, WINDOW_S
     from kvpilot.engine.fleet.cli import add_workload_args
 
     group = subparsers.add_parser("autotune", help="the autotuner outside Kubernetes")
@@ -88,23 +91,24 @@ def add_parser(subparsers) -> None:
     p.add_argument("--replicas", type=int, default=1, help="replicas at the start")
     p.add_argument("--router", default="round-robin", choices=("round-robin", "least-loaded"))
     p.add_argument("--max-concurrency", type=int, default=None, help="closed loop: at most this many in flight")
-    p.add_argument("--scrape-interval", type=float, default=15.0, help="seconds between scrapes")
+    p.add_argument("--scrape-interval", type=float, default=SCRAPE_S, help="seconds between scrapes")
     a = p.add_argument_group("autotune (as spec.autotune)")
     a.add_argument("--mode", default="Auto", choices=("Auto", "Recommend"))
-    a.add_argument("--interval", default="30s")
-    a.add_argument("--window", default="2m")
-    a.add_argument("--cooldown", default="2m")
+    a.add_argument("--interval", default=f"{INTERVAL_S:g}s", help="as the contest's")
+    a.add_argument("--window", default=f"{WINDOW_S:g}s", help="as the contest's")
+    a.add_argument("--cooldown", default=f"{COOLDOWN_S:g}s", help="as the contest's")
     a.add_argument("--tpot-objective", default=None, help="e.g. 50ms (spec.autotune.objectives.tpot)")
     a.add_argument("--max-num-seqs-bounds", default="1:1024", metavar="MIN:MAX")
     a.add_argument("--max-model-len-bounds", default="128:32768", metavar="MIN:MAX")
     a.add_argument("--replicas-bounds", default="1:1", metavar="MIN:MAX", help="spec.autoscaling min:max")
-    a.add_argument("--replica-startup", type=float, default=60.0,
+    a.add_argument("--replica-startup", type=float, default=REPLICA_STARTUP_S,
                    help="seconds a replica the autotuner adds takes to serve (pod start, weights)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS")
     p.add_argument("--every-row", action="store_true", help="a table row every interval, not only on changes")
     p.add_argument("--save-result", default=None, metavar="FILE")
     p.add_argument("--plot", default=None, metavar="PNG")
     p.set_defaults(func=_cmd)
-    from . import contest_cli
+    from . import bench_table, contest_cli
 
     contest_cli.add_parser(sub)
+    bench_table.add_parser(sub)

@@ -1,0 +1,55 @@
+"""max_num_batched_tokens as a tuned live setting: the chunked-prefill budget trades TTFT
+against TPOT. Every step that carries a prefill chunk of C tokens takes about as long as
+C tokens of compute, and every running sequence waits for it; with C in the thousands
+such steps are several times a decode step, so prompt-heavy traffic breaks a TPOT
+objective however narrow the batch. Smaller chunks spread a prompt over more, shorter
+steps (TPOT down, TTFT up); larger ones serve prompts in fewer steps (TTFT and
+throughput up).
+
+The diagnosis reads only what the pods export: the share of the tokens processed that
+are prompt tokens (vllm:prompt_tokens_total against vllm:generation_tokens_total), TPOT
+p95 against the objective, and the queue. Lowered (halved) under TPOTBound with
+prompt-heavy traffic, before the batch is narrowed; raised (doubled, up to the bound)
+when requests queue while TPOT has room. A lowered budget is not raised again within
+flip_backoff_s, and each move is verified on its target signal like any other."""
+
+from __future__ import annotations
+
+from .decision import Bounds, Diagnosis, Settings, Thresholds
+from .history import History
+from .memory import QUEUE_BOUND, blocked_move
+from .signals import Snapshot
+
+SETTING = "max_num_batched_tokens"
+
+
+def prompt_share(s: Snapshot) -> float:
+    prompt, gen = s.prompt_tokens_per_s or 0.0, s.generation_tokens_per_s or 0.0
+    return prompt / (prompt + gen) if prompt + gen > 0 else 0.0
+
+
+def chunk_change(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, history: History,
+                 now: float, t: Thresholds):
+    """(change, target signal, sentence, diagnosis) moving the chunk budget, or None."""
+    r, mbt = bounds.max_num_batched_tokens, cur.max_num_batched_tokens
+    if r is None or mbt is None:
+        return None
+    share = prompt_share(s)
+    objective = t.tpot_objective_s
+    if diagnosis is Diagnosis.TPOT_BOUND and share >= t.chunk_prompt_share:
+        new = max(r.min, cur.max_num_seqs, mbt // 2)
+        if new < mbt and not blocked_move(history, SETTING, -1, now, t):
+            return ({SETTING: (mbt, new)}, "tpot_p95_s",
+                    f"lower max_num_batched_tokens {mbt} -> {new}: {share:.0%} of the tokens processed are "
+                    f"prompt tokens, and each step carrying a chunk of up to {mbt} of them stretches every "
+                    f"running sequence's next token", diagnosis)
+        return None
+    tpot_room = objective is None or (s.tpot_p95_s is not None and s.tpot_p95_s <= t.chunk_raise_tpot_ratio * objective)
+    if diagnosis in QUEUE_BOUND and mbt < r.max and tpot_room and share >= t.chunk_prompt_share:
+        new = min(r.max, mbt * 2)
+        if not blocked_move(history, SETTING, +1, now, t):
+            tpot = f"TPOT p95 {1000 * s.tpot_p95_s:.0f}ms has room" if s.tpot_p95_s is not None else "no TPOT objective"
+            return ({SETTING: (mbt, new)}, "num_waiting",
+                    f"raise max_num_batched_tokens {mbt} -> {new}: requests queue for prompt chunks "
+                    f"({share:.0%} of the tokens are prompt tokens) while {tpot}", diagnosis)
+    return None

@@ -1,0 +1,84 @@
+"""Capacity comes back when demand falls, by rule, without the deployment model: one
+replica fewer once the deployment has been calm for `scale_in_windows` intervals and the
+load of the replicas left would still sit well inside every limit it shows today.
+
+The projection is the plain share: with R replicas serving, R - 1 carry R / (R - 1) of
+each pod's running sequences, KV cache and prompt tokens, and TPOT p95 is projected to grow
+in proportion too (it must stay under `scale_in_tpot_ratio` x the objective); a fitted
+deployment model whose windows determine its terms, trusted or not, may veto the move where
+it projects TPOT higher (never make it: vetoing costs a GPU for a while, a wrong scale-in a
+backlog). A scale-in that the load then
+contradicts (a scale-out for pressure soon after) is not repeated for `flip_backoff_s`:
+the hysteresis holds a needed replica, and a mistaken one goes within minutes."""
+
+from __future__ import annotations
+
+from .decision import Bounds, Diagnosis, Settings, Thresholds
+from .history import History
+from .memory import PRESSURE
+from .planner import _p95_after, fit
+from .signals import Snapshot
+from .verify import ago
+
+CALM = (Diagnosis.HEALTHY, Diagnosis.IDLE)
+
+
+def flipped(history: History, now: float, t: Thresholds, target: int) -> str | None:
+    """Why scaling in to `target` replicas is not allowed now: a scale-in to that many or
+    fewer was followed by a scale-out for pressure within flip_backoff_s (so few were seen
+    to fall short; more may still go)."""
+    recent = history.applied_since(now - t.flip_backoff_s)
+    for k, entry in enumerate(recent):
+        old, new = entry.decision.change.get("replicas", (0, 0))
+        if new >= old or new < target:
+            continue
+        for later in recent[k + 1:]:
+            o, n = later.decision.change.get("replicas", (0, 0))
+            if n > o and later.decision.diagnosis in PRESSURE:
+                return (f"a scale-in to {new} {ago(now, entry.decision.time)} was followed by a scale-out for "
+                        f"{later.decision.diagnosis.value}; not going to {target} again yet")
+    return None
+
+
+def scale_in_when_calm(s: Snapshot, cur: Settings, bounds: Bounds, history: History, now: float,
+                       t: Thresholds):
+    """(change, target, sentence, diagnosis) removing a replica, an explanation of why not
+    yet ({} change), or None when there is nothing to remove."""
+    floor = max(bounds.replicas.min, 1)
+    if cur.replicas <= floor or cur.hpa_owns_scale:
+        return None
+    serving = len(s.pods) or cur.replicas
+    if serving < cur.replicas:
+        return {}, None, "replicas are still starting: no scale-in", Diagnosis.HEALTHY
+    earlier = history.recent_diagnoses(t.scale_in_windows - 1)
+    if len(earlier) < t.scale_in_windows - 1 or any(d not in CALM for d in earlier):
+        return {}, None, f"removing a replica once calm for {t.scale_in_windows} intervals", Diagnosis.HEALTHY
+    blocked = flipped(history, now, t, cur.replicas - 1)
+    if blocked:
+        return {}, None, blocked, Diagnosis.HEALTHY
+    k = cur.replicas / (cur.replicas - 1)
+    limits = []
+    if (s.kv_usage_max or 0.0) * k > t.kv_low_exit:
+        limits.append(f"KV usage peak {s.kv_usage_max:.0%} x {k:.2f} > {t.kv_low_exit:.0%}")
+    running = (s.num_running or 0.0) / serving * k
+    if running > t.scale_in_load * t.running_at_cap * cur.max_num_seqs:
+        limits.append(f"{running:.1f} running per replica would near max_num_seqs={cur.max_num_seqs}")
+    # TPOT projected in proportion to the load (steps carry k x the prompt chunks and
+    # sequences): an over-estimate at light load, where a replica is most likely spare.
+    if t.tpot_objective_s is not None and (s.tpot_p95_s or 0.0) * k > t.scale_in_tpot_ratio * t.tpot_objective_s:
+        limits.append(f"TPOT p95 {1000 * s.tpot_p95_s:.0f}ms x {k:.2f} > {t.scale_in_tpot_ratio:g} x the objective")
+    if (s.queue_time_p95_s or 0.0) >= t.queue_exit_s or (s.num_waiting or 0.0) >= t.waiting_exit:
+        limits.append("requests queue")
+    # A fitted model too uncertain to size capacity may still veto giving it back: its TPOT
+    # at one replica fewer grows with the prompt load's share of each step.
+    model = fit(history, now) if len(history.observations) >= 3 else None
+    if model is not None and model.cov is not None and t.tpot_objective_s is not None:
+        after = _p95_after(s, cur, cur.replicas - 1, model)
+        if after > t.scale_in_tpot_ratio * t.tpot_objective_s:
+            limits.append(f"the fitted model puts TPOT p95 at ~{1000 * after:.0f}ms")
+    if limits:
+        return {}, None, "keeping the replicas: with one fewer " + "; ".join(limits), Diagnosis.HEALTHY
+    return ({"replicas": (cur.replicas, cur.replicas - 1)}, None,
+            f"remove a replica {cur.replicas} -> {cur.replicas - 1}: calm for {t.scale_in_windows} intervals, and "
+            f"{cur.replicas - 1} would carry {running:.1f} running each, KV peak ~{(s.kv_usage_max or 0) * k:.0%}",
+            Diagnosis.HEALTHY)
