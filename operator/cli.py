@@ -76,7 +76,7 @@ def engine_defaults(args: argparse.Namespace) -> str:
 
     from pydantic import ValidationError
 
-    from .api.spec import OperatorDefaults
+    from .api.defaults import OperatorDefaults
 
     try:
         raw = json.loads(args.engine_defaults) if args.engine_defaults else {}
@@ -97,7 +97,7 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     from .kube_config import load_kube_config
 
     load_kube_config()  # no API to reach: one line and exit 2 now, not a traceback every minute
-    from .api.spec import DEFAULTS_ENV
+    from .api.defaults import DEFAULTS_ENV
 
     os.environ[DEFAULTS_ENV] = engine_defaults(args)
     os.environ["KVPILOT_RESYNC_SECONDS"] = str(args.resync_interval)

@@ -23,7 +23,8 @@ from .deployment_metrics import DeploymentMetrics
 from .autotune.hook import autotune_step, autotune_step_for_pass
 from .reconcile import parse_spec, reconcile, write_invalid
 from .runtime.resync import DEFAULT_MAX_CONCURRENT, ResyncPool
-from .api.spec import GROUP, KIND, PLURAL, VERSION, InvalidSpec
+from .names import GROUP, KIND, PLURAL, VERSION
+from .api.fields import InvalidSpec
 from .api.status import LLMDeploymentStatus
 
 log = logging.getLogger(__name__)

@@ -19,8 +19,11 @@ from .manifests.objects import (Owner, build_configmap, build_pdb, build_service
 from .model_status import MODEL_READY, hub_token, model_progress, resolve_revision, unresolved
 from .pod_health import pod_problems
 from .manifests.simulate import simulated_summary
-from .api.spec import (GROUP, KIND, VERSION, InvalidSpec, LLMDeploymentSpec, OperatorDefaults, validate_spec,
-                       with_defaults)
+from .api.spec import LLMDeploymentSpec
+from .names import GROUP, KIND, VERSION
+from .api.fields import InvalidSpec
+from .api.defaults import OperatorDefaults, with_defaults
+from .api.validation import validate_spec
 from .api.status import AutotuneStatus, Condition, Effective, LLMDeploymentStatus, ModelDownloadStatus
 from .autotune.context import AutotuneContext, AutotuneOutcome
 

@@ -11,7 +11,10 @@ import yaml
 from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema
 
-from .spec import GROUP, KIND, PLURAL, QUANTITY_PATTERN, SHORT_NAMES, SINGULAR, VERSION, LLMDeploymentSpec
+from .spec import LLMDeploymentSpec
+
+from ..names import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
+from .fields import QUANTITY_PATTERN
 from .status import LLMDeploymentStatus
 
 CRD_NAME = f"{PLURAL}.{GROUP}"

@@ -8,7 +8,7 @@ from typing import Literal, Optional
 
 from pydantic import ConfigDict, Field
 
-from .spec import Model
+from .fields import Model
 
 ConditionType = Literal["Ready", "Progressing", "Degraded", "Reconciling", "Stalled"]
 # PreemptionBound | SchedulerBound | KVCacheBound | LengthBound | TPOTBound | HardwareBound | Healthy |

@@ -41,7 +41,9 @@ from typing import Any, Callable, Protocol
 from ..runtime import metrics
 from ..manifests.objects import INSTANCE_LABEL, chunk_bounds
 from .context import AutotuneContext, AutotuneOutcome
-from ..api.spec import DEFAULT_PROMETHEUS_URL, GROUP, KIND, VERSION, LLMDeploymentSpec, spec_tokens_bounds
+from ..api.spec import DEFAULT_PROMETHEUS_URL, LLMDeploymentSpec
+from ..names import GROUP, KIND, VERSION
+from ..api.validation import spec_tokens_bounds
 from ..api.status import AutotuneStatus, Condition, Effective
 from .advice import restart_advice
 from .capacity import CapacityPlan, plan_capacity

@@ -13,9 +13,10 @@ from .model_download import (MODEL_CACHE_VOLUME, cache_size, cache_volume, init_
                              remote_source)
 from .objects import (HTTP_PORT, TUNING_DIR, TUNING_FILE, Owner, metadata, selector_labels,
                       tuning_configmap_name)
-from .parallel import parallel_args, parallel_sizes
+from ..api.parallel import parallel_args, parallel_sizes
 from .simulate import SIMULATED_LABEL, sim_model_projection, simulate_args
-from ..api.spec import DEFAULT_GPU_RESOURCE, LLMDeploymentSpec, engine_image
+from ..api.defaults import DEFAULT_GPU_RESOURCE, engine_image
+from ..api.spec import LLMDeploymentSpec
 
 CONTAINER = "engine"
 HASH_ANNOTATION = "serving.kvpilot.dev/config-hash"

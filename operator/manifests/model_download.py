@@ -98,7 +98,7 @@ def init_container(spec: LLMDeploymentSpec, source: str, models_dir: str, base_e
     """`kvpilot fetch-model` with the engine's image, scratch and security context. It asks for
     the engine's CPU and memory (and the cache's ephemeral storage) but no GPU: a download
     needs none."""
-    from ..api.spec import engine_image
+    from ..api.defaults import engine_image
 
     args = [source, "--cache-dir", models_dir, "--json-progress", "--termination-log", TERMINATION_LOG]
     for pattern in spec.model.files:

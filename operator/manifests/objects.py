@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ..api.spec import GROUP, KIND, VERSION, LLMDeploymentSpec, spec_tokens_bounds
+from ..api.spec import LLMDeploymentSpec
+
+from ..names import GROUP, KIND, VERSION
+from ..api.validation import spec_tokens_bounds
 from ..api.status import Effective
 from ..names import ENGINE_APP_NAME, HTTP_PORT, INSTANCE_LABEL  # noqa: F401  (pods' names)
 

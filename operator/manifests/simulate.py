@@ -4,8 +4,10 @@ simulated pods by, and the short form status.simulated shows."""
 from __future__ import annotations
 
 from .objects import TUNING_DIR
-from .parallel import parallel_sizes
-from ..api.spec import GROUP, LLMDeploymentSpec, SimulateSpec
+from ..api.parallel import parallel_sizes
+from ..api.spec import LLMDeploymentSpec
+from ..names import GROUP
+from ..api.model import SimulateSpec
 
 SIMULATED_LABEL = f"{GROUP}/simulated"
 SIM_MODEL_SUBDIR = "sim-model"

@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from . import metrics
 from .applied import AppliedCache, key_of
 from ..manifests.objects import FIELD_MANAGER
-from ..api.spec import GROUP, KIND, PLURAL, VERSION
+from ..names import GROUP, KIND, PLURAL, VERSION
 
 log = logging.getLogger(__name__)
 

@@ -151,5 +151,5 @@ def test_kube_prometheus_stack_values_and_engine_defaults(helm):
     assert "--engine-image=kvpilot/engine:0.2.0" in args and "--gpu-resource-name=amd.com/gpu" in args
     defaults = json.loads(next(a for a in args if a.startswith("--engine-defaults="))[len("--engine-defaults="):])
     assert defaults["pod"]["serviceAccountName"] == "llm" and defaults["pod"]["imagePullSecrets"] == ["regcred"]
-    from kvpilot.operator.api.spec import OperatorDefaults
+    from kvpilot.operator.api.defaults import OperatorDefaults
     OperatorDefaults.model_validate(defaults)  # what the operator reads, valid

@@ -16,7 +16,7 @@ from k8s_schemas import swagger_path, write_crd_schema, write_k8s_schemas
 from kvpilot.operator.manifests.deployment import build_deployment
 from kvpilot.operator.manifests.objects import Owner, build_configmap, build_pdb, build_service, effective_settings
 from kvpilot.operator.reconcile import parse_spec
-from kvpilot.operator.api.spec import OperatorDefaults
+from kvpilot.operator.api.defaults import OperatorDefaults
 from test_chart import CHART, KUBE_VERSION, ROOT, helm  # noqa: F401  (helm: the fixture)
 
 NO_LOCAL_SCHEMA = ["ServiceMonitor", "PodMonitor", "PrometheusRule", "HTTPRoute"]

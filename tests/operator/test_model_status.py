@@ -17,7 +17,7 @@ from kvpilot.operator.model_status import (MODEL_READY, RETRY_FAILED_S, model_pr
 from kvpilot.operator.manifests.objects import Owner
 from kvpilot.operator.pod_health import pod_problems
 from kvpilot.operator.reconcile import parse_spec, reconcile
-from kvpilot.operator.api.spec import InvalidSpec
+from kvpilot.operator.api.fields import InvalidSpec
 from kvpilot.operator.api.status import ModelDownloadStatus
 from test_operator_reconcile import FakeKube, body, kinds
 

@@ -47,7 +47,7 @@ def test_engine_defaults_reach_every_pod_the_operator_builds():
     from kvpilot.operator.manifests.deployment import build_deployment
     from kvpilot.operator.manifests.objects import Owner
     from kvpilot.operator.reconcile import parse_spec
-    from kvpilot.operator.api.spec import OperatorDefaults
+    from kvpilot.operator.api.defaults import OperatorDefaults
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))

@@ -6,7 +6,7 @@ import pytest
 from kvpilot.operator.api.conditions import Problem, Rollout, compute_conditions
 from kvpilot.operator.autotune.context import AutotuneOutcome
 from kvpilot.operator.reconcile import parse_spec, reconcile
-from kvpilot.operator.api.spec import InvalidSpec
+from kvpilot.operator.api.fields import InvalidSpec
 from kvpilot.operator.api.status import AutotuneStatus, Condition, Effective, SnapshotStatus
 
 

@@ -10,7 +10,6 @@ import math
 import sys
 from pathlib import Path
 
-from .contest_grid import chosen_on_first
 from .contest_plot import SIM_LABEL, plot_timeline  # noqa: F401 (e2e/day_contest.py imports them here)
 
 REPLICA_ONLY = ("keda", "wva", "hpa-kv", "dynamo")
@@ -64,6 +63,8 @@ def ratios(results: list[dict]) -> dict:
         if ref is not None:
             g = ref["overall"]["goodput_per_gpu_hour"]
             out[key] = {"name": ref["name"], "goodput_per_gpu_hour": g, "ratio": a / g if g else math.inf}
+    from .contest_grid import chosen_on_first  # imports the whole contest: only when one ran
+
     chosen = chosen_on_first(statics)
     if chosen is not None and "split" in auto:
         g, ar = chosen["split"]["rest"]["goodput_per_gpu_hour"], auto["split"]["rest"]["goodput_per_gpu_hour"]
@@ -189,6 +190,8 @@ def _cmd(args: argparse.Namespace) -> int:
     shown = headline + statics[:1]
     if statics:
         shown[-1] = {**statics[0], "name": f"best static: {statics[0]['name'].removeprefix('static ')}"}
+    from .contest_grid import chosen_on_first  # imports the whole contest: only when one ran
+
     chosen = chosen_on_first(statics)
     print_table(shown)
     print()

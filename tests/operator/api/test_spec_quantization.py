@@ -14,7 +14,7 @@ from kvpilot.operator.api.crd import build_crd
 from kvpilot.operator.manifests.deployment import build_deployment
 from kvpilot.operator.manifests.objects import Owner
 from kvpilot.operator.reconcile import parse_spec
-from kvpilot.operator.api.spec import InvalidSpec
+from kvpilot.operator.api.fields import InvalidSpec
 
 OWNER = Owner("tiny", "demo", "uid-1")
 H100 = {"accelerator": "h100-80gb", "model": "llama-3.1-8b"}

@@ -13,7 +13,8 @@ from kvpilot.operator.api.crd import build_crd
 from kvpilot.operator.manifests.deployment import build_deployment
 from kvpilot.operator.manifests.objects import Owner, build_configmap, effective_settings, tuning_json
 from kvpilot.operator.reconcile import parse_spec
-from kvpilot.operator.api.spec import InvalidSpec, LLMDeploymentSpec
+from kvpilot.operator.api.fields import InvalidSpec
+from kvpilot.operator.api.spec import LLMDeploymentSpec
 from kvpilot.operator.api.status import Effective
 
 OWNER = Owner("tiny", "demo", "uid-1")

@@ -15,7 +15,9 @@ from crd_validator import api_server_errors, crd_schema
 from kvpilot.operator.manifests.deployment import build_deployment
 from kvpilot.operator.manifests.objects import Owner
 from kvpilot.operator.reconcile import parse_spec
-from kvpilot.operator.api.spec import EXTRA_FLAGS, OWNED_FLAGS, InvalidSpec, LLMDeploymentSpec
+from kvpilot.operator.api.engine import EXTRA_FLAGS, OWNED_FLAGS
+from kvpilot.operator.api.fields import InvalidSpec
+from kvpilot.operator.api.spec import LLMDeploymentSpec
 
 ROOT = Path(__file__).resolve().parents[3]
 OWNER = Owner("m", "demo", "uid-1")

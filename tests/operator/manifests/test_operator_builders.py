@@ -10,7 +10,8 @@ import yaml
 from kvpilot.operator.manifests.deployment import HASH_ANNOTATION, build_deployment, model_source
 from kvpilot.operator.manifests.objects import (INSTANCE_LABEL, Owner, build_configmap, build_pdb, build_service,
                                       effective_settings, endpoint_url, selector_string)
-from kvpilot.operator.api.spec import DEFAULT_IMAGE, LLMDeploymentSpec
+from kvpilot.operator.api.fields import DEFAULT_IMAGE
+from kvpilot.operator.api.spec import LLMDeploymentSpec
 from kvpilot.operator.api.status import Effective
 
 OWNER = Owner("tiny", "demo", "uid-1")
@@ -236,7 +237,7 @@ def test_a_new_operator_image_rolls_pods_that_name_none_and_not_those_that_do():
     """helm upgrade changes --engine-image: the pod template (and its hash) follow for every
     LLMDeployment without spec.engine.image; one that names its own stays as it was."""
     from kvpilot.operator.reconcile import parse_spec
-    from kvpilot.operator.api.spec import OperatorDefaults
+    from kvpilot.operator.api.defaults import OperatorDefaults
 
     def template(spec: dict, image: str) -> dict:
         s = parse_spec({"spec": spec}, OperatorDefaults(engine_image=image))

@@ -16,7 +16,8 @@ from kvpilot.engine.config.simulation import OutputLengths
 from kvpilot.operator.api.crd import build_crd
 from kvpilot.operator.manifests.deployment import HASH_ANNOTATION, build_deployment
 from kvpilot.operator.reconcile import parse_spec, reconcile
-from kvpilot.operator.api.spec import InvalidSpec, LLMDeploymentSpec, SimulatedAccelerator, SimulatedModel
+from kvpilot.operator.api.fields import InvalidSpec, SimulatedAccelerator, SimulatedModel
+from kvpilot.operator.api.spec import LLMDeploymentSpec
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "llmdeployment-simulated.yaml"
 H100 = {"accelerator": "h100-80gb", "model": "llama-3.1-8b"}
@@ -43,7 +44,7 @@ def crd_spec() -> dict:
 # --- the pod --------------------------------------------------------------------------------
 
 def test_simulated_pods_run_the_torch_free_operator_image_unless_told_otherwise():
-    from kvpilot.operator.api.spec import OperatorDefaults, with_defaults
+    from kvpilot.operator.api.defaults import OperatorDefaults, with_defaults
     assert container(build_deployment(OWNER, sim_spec(H100), 1))["image"] == "kvpilot/operator:0.1.0"
     assert container(build_deployment(OWNER, spec(), 1))["image"] == "kvpilot/engine:0.1.0"  # a real engine
     d = OperatorDefaults(engine_image="r.io/engine:2", simulated_image="r.io/operator:2")

@@ -22,9 +22,10 @@ from kvpilot.engine.fleet.trace import TraceRequest
 from kvpilot.operator.autotune.capacity import ModelShape, kv_cache_bytes, plan_capacity
 from kvpilot.operator.api.crd import build_crd
 from kvpilot.operator.manifests.deployment import HASH_ANNOTATION, build_deployment
-from kvpilot.operator.manifests.parallel import parallel_sizes
+from kvpilot.operator.api.parallel import parallel_sizes
 from kvpilot.operator.reconcile import parse_spec, reconcile
-from kvpilot.operator.api.spec import PARALLEL_USES_ALL_GPUS, PIPELINE_NOT_SIMULATED, InvalidSpec, SimulatedInterconnect
+from kvpilot.operator.api.engine import PARALLEL_USES_ALL_GPUS, PIPELINE_NOT_SIMULATED
+from kvpilot.operator.api.fields import InvalidSpec, SimulatedInterconnect
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "llmdeployment-simulated-70b.yaml"
 SIM_70B = {"accelerator": "h100-80gb", "model": "llama-3.1-70b"}

@@ -11,7 +11,9 @@ with engine.simulate. Either way the engine exports the KV cache of all its rank
 the capacity planner needs no GPU count of its own."""
 from __future__ import annotations
 
-from ..api.spec import PARALLEL_USES_ALL_GPUS, PIPELINE_NOT_SIMULATED, InvalidSpec, LLMDeploymentSpec
+from .engine import PARALLEL_USES_ALL_GPUS, PIPELINE_NOT_SIMULATED
+from .fields import InvalidSpec
+from .spec import LLMDeploymentSpec
 
 PARALLEL_FLAGS = ("--tensor-parallel-size", "--pipeline-parallel-size")
 EXTRA_ARGS_SET_PARALLEL = ("engine.extraArgs may not set --tensor-parallel-size or --pipeline-parallel-size: "
