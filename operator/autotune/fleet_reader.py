@@ -22,9 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .prometheus import (DEFAULT_REFUSAL_METRIC, Answers, FleetTarget, QueryClient, Target, assemble_snapshot,
-                         build_freshness_queries, build_queries, build_settings_queries, checked_query, duration,
-                         instant_samples, read_idle)
+from .promql import (DEFAULT_REFUSAL_METRIC, FleetTarget, Target, build_freshness_queries, build_queries,
+                     build_settings_queries, duration)
+from .prometheus import Answers, assemble_snapshot, read_idle
+from .query_client import QueryClient, checked_query, instant_samples
 from .signals import Snapshot
 
 Key = tuple[str, str]  # (namespace, deployment)

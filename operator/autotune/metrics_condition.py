@@ -12,7 +12,7 @@ setting meanwhile; the diagnosis is NoData).
 from __future__ import annotations
 
 from ..api.status import Condition
-from .prometheus import BAD_RESPONSE, UNREACHABLE, MetricsUnavailable
+from .query_client import BAD_RESPONSE, UNREACHABLE, MetricsUnavailable
 from .signals import Snapshot
 
 METRICS_CONDITION = "MetricsAvailable"

@@ -14,8 +14,9 @@ from prometheus_api_client import PrometheusConnect
 
 from kvpilot.engine.metrics.buckets import FLEX_TIER, TIER_TPOT_METRIC
 from kvpilot.operator.autotune.fleet_reader import FleetReader, FleetReaders
-from kvpilot.operator.autotune.prometheus import (MetricsUnavailable, PrometheusReader, build_freshness_queries,
-                                                 build_queries, build_settings_queries)
+from kvpilot.operator.autotune.query_client import MetricsUnavailable
+from kvpilot.operator.autotune.prometheus import PrometheusReader
+from kvpilot.operator.autotune.promql import (build_freshness_queries, build_queries, build_settings_queries)
 from kvpilot.operator.autotune.virtual.promql_lite import TSDB
 
 NOW = 1_800_000_000.0  # the fake Prometheus's clock

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvpilot.operator.autotune.hook import autotune_step
 from kvpilot.operator.autotune.metrics_condition import metrics_condition
-from kvpilot.operator.autotune.prometheus import (BAD_RESPONSE, UNREACHABLE, MetricsUnavailable,
-                                                   PrometheusReader)
+from kvpilot.operator.autotune.query_client import BAD_RESPONSE, UNREACHABLE, MetricsUnavailable
+from kvpilot.operator.autotune.prometheus import PrometheusReader
 from test_autotune_hook import T0, FakeKube, ctx, spec_body
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "e2e"))

@@ -13,7 +13,7 @@ from kvpilot.engine.fleet.fleet import Fleet
 from kvpilot.engine.fleet.report import summarize
 from kvpilot.engine.fleet.trace import Phase, TraceRequest, generate
 from kvpilot.operator.autotune.decision import Bounds, Diagnosis, Range, Thresholds
-from kvpilot.operator.autotune.prometheus import Target, build_freshness_queries, build_queries
+from kvpilot.operator.autotune.promql import Target, build_freshness_queries, build_queries
 from kvpilot.operator.autotune.virtual.promql_lite import TSDB, extrapolated_rate, histogram_quantile
 from kvpilot.operator.autotune.virtual.autotuner import AutotuneSettings, VirtualPrometheus, run_autotuned
 
