@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 import httpx
-from kvpilot.operator.autotune.promql import (Target, build_freshness_queries, build_queries, build_settings_queries)
+from kvpilot.operator.autotune.prometheus.queries import (Target, build_freshness_queries, build_queries, build_settings_queries)
 
 OPERATOR_NS = "kvpilot-system"
 LLMD = "/apis/serving.kvpilot.dev/v1alpha1/namespaces/{ns}/llmdeployments"

@@ -19,9 +19,9 @@ from .capacity import TINY_FLOAT32, CapacityPlan, ModelShape, kv_cache_bytes, pl
 from .decision import Action, Bounds, Decision, Diagnosis, Range, Settings, Thresholds
 from .history import History, HistoryEntry
 from .policy import DEFAULT_THRESHOLDS, decide, prefix_cache_warning
-from .prometheus import PrometheusReader
-from .query_client import QueryClient
-from .promql import Target, build_queries
+from .prometheus.reader import PrometheusReader
+from .prometheus.client import QueryClient
+from .prometheus.queries import Target, build_queries
 from .report import (TABLE_HEADER, AutotuneStatus, build_report, format_table_row,
                      history_from_status)
 from .signals import PodSettings, Snapshot

@@ -48,13 +48,13 @@ from ..api.status import AutotuneStatus, Condition, Effective
 from .advice import restart_advice
 from .capacity import CapacityPlan, plan_capacity
 from .decision import Action, Bounds, Decision, Diagnosis, Range, Settings, Thresholds
-from .fleet_reader import FleetReader, FleetReaders
+from .prometheus.fleet import FleetReader, FleetReaders
 from .history import History
 from .planner import observation
 from .policy import prefix_cache_warning, decide
-from .metrics_condition import METRICS_CONDITION, metrics_condition
-from .prometheus import PrometheusReader
-from .query_client import connect
+from .prometheus.condition import METRICS_CONDITION, metrics_condition
+from .prometheus.reader import PrometheusReader
+from .prometheus.client import connect
 from .report import AdviceStatus, advice_status, build_report, history_from_status
 from .scale_to_zero import last_to_zero, quiet, scale_to_zero
 from .signals import Snapshot

@@ -20,7 +20,7 @@ from ..history import History
 from ..hook import capacity_plan
 from ..planner import observation
 from ..policy import decide
-from ..prometheus import PrometheusReader
+from ..prometheus.reader import PrometheusReader
 from .promql_lite import TSDB
 from ..signals import Snapshot
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvpilot.operator.autotune import PodSettings, PrometheusReader, Target, build_queries
-from kvpilot.operator.autotune.fleet_reader import FleetReader
-from kvpilot.operator.autotune.promql import FleetTarget, build_freshness_queries, build_settings_queries
+from kvpilot.operator.autotune.prometheus.fleet import FleetReader
+from kvpilot.operator.autotune.prometheus.queries import FleetTarget, build_freshness_queries, build_settings_queries
 from kvpilot.operator.autotune.virtual.promql_lite import TSDB
 
 NOW = 1_800_000_000.0

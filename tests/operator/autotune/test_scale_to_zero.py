@@ -8,7 +8,7 @@ import pytest
 from kvpilot.operator.autotune.decision import Action, Bounds, Decision, Diagnosis, Range, Settings
 from kvpilot.operator.autotune.history import History, HistoryEntry
 from kvpilot.operator.autotune.hook import autotune_step
-from kvpilot.operator.autotune.promql import Target, build_idle_queries
+from kvpilot.operator.autotune.prometheus.queries import Target, build_idle_queries
 from kvpilot.operator.autotune.scale_to_zero import IdleReport, last_to_zero, quiet, scale_to_zero
 from test_autotune_hook import T0, FakeKube, FakeReader, ctx, snap, spec_body
 

@@ -13,7 +13,7 @@ from kvpilot.engine.fleet.fleet import Fleet
 from kvpilot.engine.fleet.report import summarize
 from kvpilot.engine.fleet.trace import Phase, TraceRequest, generate
 from kvpilot.operator.autotune.decision import Bounds, Diagnosis, Range, Thresholds
-from kvpilot.operator.autotune.promql import Target, build_freshness_queries, build_queries
+from kvpilot.operator.autotune.prometheus.queries import Target, build_freshness_queries, build_queries
 from kvpilot.operator.autotune.virtual.promql_lite import TSDB, extrapolated_rate, histogram_quantile
 from kvpilot.operator.autotune.virtual.autotuner import AutotuneSettings, VirtualPrometheus, run_autotuned
 
@@ -84,7 +84,7 @@ def test_the_virtual_snapshot_reads_what_the_fleet_did():
     prom = VirtualPrometheus()
     fleet.on_scrape = prom.ingest
     fleet.run(trace)
-    from kvpilot.operator.autotune.prometheus import PrometheusReader
+    from kvpilot.operator.autotune.prometheus.reader import PrometheusReader
     snap = PrometheusReader(prom, scrape_interval_s=5).snapshot("sim", "sim", 60, at=fleet.now)
     assert snap.no_data_reason() is None and not snap.stale
     finished_late = [r for r in fleet.requests if r.finished > fleet.now - 60]
@@ -101,7 +101,7 @@ def test_flex_requests_leave_the_tpot_objective_to_the_others():
         prom = VirtualPrometheus()
         fleet.on_scrape = prom.ingest
         fleet.run(trace)
-        from kvpilot.operator.autotune.prometheus import PrometheusReader
+        from kvpilot.operator.autotune.prometheus.reader import PrometheusReader
         return PrometheusReader(prom, scrape_interval_s=5).snapshot("sim", "sim", window_s, at=fleet.now)
 
     shape = dict(duration=90, input="uniform:200:1000", output="uniform:100:300")

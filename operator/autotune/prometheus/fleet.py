@@ -22,11 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .promql import (DEFAULT_REFUSAL_METRIC, FleetTarget, Target, build_freshness_queries, build_queries,
+from .queries import (DEFAULT_REFUSAL_METRIC, FleetTarget, Target, build_freshness_queries, build_queries,
                      build_settings_queries, duration)
-from .prometheus import Answers, assemble_snapshot, read_idle
-from .query_client import QueryClient, checked_query, instant_samples
-from .signals import Snapshot
+from .reader import Answers, assemble_snapshot, read_idle
+from .client import QueryClient, checked_query, instant_samples
+from ..signals import Snapshot
 
 Key = tuple[str, str]  # (namespace, deployment)
 

@@ -4,7 +4,7 @@ import math
 
 
 from kvpilot.operator.autotune import PodSettings, PrometheusReader, Snapshot, Target, build_queries
-from kvpilot.operator.autotune.promql import build_freshness_queries, duration
+from kvpilot.operator.autotune.prometheus.queries import build_freshness_queries, duration
 
 NOW = 1_700_000_000.0
 SEL = 'namespace="demo",llmdeployment="tiny"'

@@ -16,12 +16,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvpilot.operator.autotune.hook import autotune_step
-from kvpilot.operator.autotune.metrics_condition import metrics_condition
-from kvpilot.operator.autotune.query_client import BAD_RESPONSE, UNREACHABLE, MetricsUnavailable
-from kvpilot.operator.autotune.prometheus import PrometheusReader
+from kvpilot.operator.autotune.prometheus.condition import metrics_condition
+from kvpilot.operator.autotune.prometheus.client import BAD_RESPONSE, UNREACHABLE, MetricsUnavailable
+from kvpilot.operator.autotune.prometheus.reader import PrometheusReader
 from test_autotune_hook import T0, FakeKube, ctx, spec_body
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "e2e"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "e2e"))
 from fakeprom import MODES, answer  # noqa: E402  (the e2e test's server answers, reused)
 
 

@@ -10,7 +10,7 @@ import math
 import time
 from typing import Any, Protocol
 
-from ..runtime import metrics
+from ...runtime import metrics
 
 
 class QueryClient(Protocol):

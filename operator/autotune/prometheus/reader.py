@@ -13,16 +13,16 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .promql import (DEFAULT_REFUSAL_METRIC, EXTRA_SOURCES, SOURCES, TIERED_TPOT_P95, Target, build_freshness_queries,
+from .queries import (DEFAULT_REFUSAL_METRIC, EXTRA_SOURCES, SOURCES, TIERED_TPOT_P95, Target, build_freshness_queries,
                      build_idle_queries, build_queries, build_settings_queries)
-from .query_client import QueryClient, checked_query, connect, first_sample, instant_samples
-from .signals import PodSettings, Snapshot
+from .client import QueryClient, checked_query, connect, first_sample, instant_samples
+from ..signals import PodSettings, Snapshot
 
 
 
 
 def read_idle(client: QueryClient, url: str, target: Target, period_s: float):
-    from .scale_to_zero import IdleReport
+    from ..scale_to_zero import IdleReport
 
     values = {}
     for field, q in build_idle_queries(target, period_s).items():

@@ -1,4 +1,4 @@
-"""The fleet reader (operator/autotune/fleet_reader.py): the same Snapshot as the
+"""The fleet reader (operator/autotune/prometheus/fleet.py): the same Snapshot as the
 per-deployment reader for every deployment, from one grouped set of queries, over a real
 HTTP server standing in for Prometheus (promql_lite answering /api/v1/query)."""
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 from prometheus_api_client import PrometheusConnect
 
 from kvpilot.engine.metrics.buckets import FLEX_TIER, TIER_TPOT_METRIC
-from kvpilot.operator.autotune.fleet_reader import FleetReader, FleetReaders
-from kvpilot.operator.autotune.query_client import MetricsUnavailable
-from kvpilot.operator.autotune.prometheus import PrometheusReader
-from kvpilot.operator.autotune.promql import (build_freshness_queries, build_queries, build_settings_queries)
+from kvpilot.operator.autotune.prometheus.fleet import FleetReader, FleetReaders
+from kvpilot.operator.autotune.prometheus.client import MetricsUnavailable
+from kvpilot.operator.autotune.prometheus.reader import PrometheusReader
+from kvpilot.operator.autotune.prometheus.queries import (build_freshness_queries, build_queries, build_settings_queries)
 from kvpilot.operator.autotune.virtual.promql_lite import TSDB
 
 NOW = 1_800_000_000.0  # the fake Prometheus's clock

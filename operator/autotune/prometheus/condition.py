@@ -11,9 +11,9 @@ setting meanwhile; the diagnosis is NoData).
 """
 from __future__ import annotations
 
-from ..api.status import Condition
-from .query_client import BAD_RESPONSE, UNREACHABLE, MetricsUnavailable
-from .signals import Snapshot
+from ...api.status import Condition
+from .client import BAD_RESPONSE, UNREACHABLE, MetricsUnavailable
+from ..signals import Snapshot
 
 METRICS_CONDITION = "MetricsAvailable"
 
