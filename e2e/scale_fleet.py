@@ -22,7 +22,7 @@ LLMD = "/apis/serving.kvpilot.dev/v1alpha1/namespaces/{ns}/llmdeployments"
 POD_MEMORY = "192Mi"  # a simulated pod's RSS is about 100 MiB (measured: see the bench)
 POD_CPU = "5m"
 _ONE = Target("n", "d")
-# What the per-deployment reader asks for one Snapshot (the fleet reader asks as many per pass).
+# What the per-deployment reader asks for one MetricsSnapshot (the fleet reader asks as many per pass).
 QUERIES_PER_SNAPSHOT = len(build_queries(_ONE, 60)) + len(build_freshness_queries(_ONE)) + \
     len(build_settings_queries(_ONE))
 

@@ -232,7 +232,7 @@ async def _resync_loop(pool: ResyncPool) -> None:
         except Exception:
             log.exception("resync: listing LLMDeployments failed")
             continue
-        # One autotune hook per pass: every due deployment's Snapshot is cut from one
+        # One autotune hook per pass: every due deployment's MetricsSnapshot is cut from one
         # grouped set of Prometheus queries per URL instead of one set each.
         hook = autotune_step_for_pass()
         task = asyncio.get_running_loop().create_task(pool.run_pass(bodies, hook))

@@ -24,12 +24,12 @@ from .prometheus.client import QueryClient
 from .prometheus.queries import Target, build_queries
 from .report import (TABLE_HEADER, AutotuneStatus, build_report, format_table_row,
                      history_from_status)
-from .signals import PodSettings, Snapshot
+from .signals import PodSettings, MetricsSnapshot
 
 __all__ = [
     "Action", "AutotuneStatus", "Bounds", "CapacityPlan", "DEFAULT_THRESHOLDS", "Decision",
     "Diagnosis", "History", "HistoryEntry", "ModelShape", "PodSettings", "PrometheusReader",
-    "QueryClient", "Range", "Settings", "Snapshot", "TABLE_HEADER", "TINY_FLOAT32", "Target",
+    "QueryClient", "Range", "Settings", "MetricsSnapshot", "TABLE_HEADER", "TINY_FLOAT32", "Target",
     "Thresholds", "build_queries", "build_report", "decide", "format_table_row",
     "history_from_status", "kv_cache_bytes", "prefix_cache_warning", "plan_capacity",
 ]

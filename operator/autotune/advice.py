@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .capacity import CapacityPlan
 from .decision import Diagnosis, Thresholds
-from .signals import Snapshot
+from .signals import MetricsSnapshot
 
 # Diagnoses in which the cache's size is what binds: preempting for room, queueing with the
 # cache full (KVCacheBound), or no tuning headroom left while the cache is full and the
@@ -31,7 +31,7 @@ class Advice:
     reason: str
 
 
-def restart_advice(diagnosis: Diagnosis, snapshot: Snapshot | None, capacity: CapacityPlan | None, *,
+def restart_advice(diagnosis: Diagnosis, snapshot: MetricsSnapshot | None, capacity: CapacityPlan | None, *,
                    kv_cache_dtype: str | None, simulated: bool,
                    thresholds: Thresholds = Thresholds()) -> list[Advice]:
     """What to change in the spec that the autotuner may not change live (empty: nothing)."""

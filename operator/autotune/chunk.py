@@ -18,17 +18,17 @@ from __future__ import annotations
 from .decision import Bounds, Diagnosis, Settings, Thresholds
 from .history import History
 from .memory import QUEUE_BOUND, blocked_move
-from .signals import Snapshot
+from .signals import MetricsSnapshot
 
 SETTING = "max_num_batched_tokens"
 
 
-def prompt_share(s: Snapshot) -> float:
+def prompt_share(s: MetricsSnapshot) -> float:
     prompt, gen = s.prompt_tokens_per_s or 0.0, s.generation_tokens_per_s or 0.0
     return prompt / (prompt + gen) if prompt + gen > 0 else 0.0
 
 
-def chunk_change(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, history: History,
+def chunk_change(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: History,
                  now: float, t: Thresholds):
     """(change, target signal, sentence, diagnosis) moving the chunk budget, or None."""
     r, mbt = bounds.max_num_batched_tokens, cur.max_num_batched_tokens

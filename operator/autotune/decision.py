@@ -181,7 +181,7 @@ class Decision:
     action: Action
     reason: str
     change: dict = field(default_factory=dict)  # setting -> (old, new)
-    target: str | None = None  # the Snapshot signal this change means to lower
+    target: str | None = None  # the MetricsSnapshot signal this change means to lower
     baseline: float | None = None  # its value when the change was decided
     throughput_baseline: float | None = None  # output tokens/s then, when the throughput guard applies
     verifies: float | None = None  # time of the earlier change this decision judged

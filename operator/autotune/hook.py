@@ -5,7 +5,7 @@ The reconcile calls it on every pass (from a worker thread, so blocking Promethe
 API calls do not stall kopf's event loop); it decides at most once per
 spec.autotune.interval, measured from the time of the last decision in status:
 
-1. read a Snapshot from spec.autotune.prometheus.url over spec.autotune.window;
+1. read a MetricsSnapshot from spec.autotune.prometheus.url over spec.autotune.window;
 2. plan capacity from the pods' own kvpilot:kv_cache_bytes and
    kvpilot:kv_cache_bytes_per_token (any model, no config.json needed);
 3. rebuild the History from status.autotune (the only place it lives) and `decide`;
@@ -57,7 +57,7 @@ from .prometheus.reader import PrometheusReader
 from .prometheus.client import connect
 from .report import AdviceStatus, advice_status, build_report, history_from_status
 from .scale_to_zero import last_to_zero, quiet, scale_to_zero
-from .signals import Snapshot
+from .signals import MetricsSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 class Reader(Protocol):
-    def snapshot(self, namespace: str, name: str, window_s: float) -> Snapshot: ...
+    def snapshot(self, namespace: str, name: str, window_s: float) -> MetricsSnapshot: ...
 
 
 ReaderFactory = Callable[[str], Reader]
@@ -143,7 +143,7 @@ def history_of(prev: AutotuneStatus | None) -> History:
         return History()
 
 
-def capacity_plan(snap: Snapshot | None, current: Settings) -> CapacityPlan | None:
+def capacity_plan(snap: MetricsSnapshot | None, current: Settings) -> CapacityPlan | None:
     """The KV formula run backwards on the pods' own KV sizing gauges."""
     if snap is None or not snap.kv_cache_bytes or not snap.kv_bytes_per_token:
         return None
@@ -154,7 +154,7 @@ def capacity_plan(snap: Snapshot | None, current: Settings) -> CapacityPlan | No
                          weight_bytes=int(snap.weight_bytes) if snap.weight_bytes else None)
 
 
-def _to_zero(reader, spec: LLMDeploymentSpec, owner, current: Settings, snap: Snapshot, history: History,
+def _to_zero(reader, spec: LLMDeploymentSpec, owner, current: Settings, snap: MetricsSnapshot, history: History,
              now: float) -> Decision | None:
     """The scale-to-zero decision when minReplicas is 0 and this window was quiet (only then
     is the longer idle period read); None otherwise, or when that read fails."""
@@ -188,7 +188,7 @@ def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None 
     thresholds = thresholds_for(spec)
     history = history_of(prev)
 
-    snap: Snapshot | None = None
+    snap: MetricsSnapshot | None = None
     read_error: Exception | None = None
     try:
         reader = (reader_factory or default_reader)((at.prometheus.url or DEFAULT_PROMETHEUS_URL))
@@ -301,7 +301,7 @@ def _hpa_owns_scale(kube: Any, namespace: str, name: str) -> bool:
         return True
 
 
-def _prefix_conditions(ctx: AutotuneContext, snap: Snapshot | None,
+def _prefix_conditions(ctx: AutotuneContext, snap: MetricsSnapshot | None,
                        thresholds: Thresholds) -> list[Condition] | None:
     """PrefixCacheIneffective, only where spec.autotune.sharedPrefix says prompts share a prefix
     (the engine cannot tell); None (keep the previous condition) when there is no data."""
@@ -320,7 +320,7 @@ def _prefix_conditions(ctx: AutotuneContext, snap: Snapshot | None,
     return [Condition(type=PREFIX_CONDITION, status="True", reason="LowPrefixCacheHitRate", message=warning)]
 
 
-def _tuning_condition(ctx: AutotuneContext, snap: Snapshot | None, current: Settings,
+def _tuning_condition(ctx: AutotuneContext, snap: MetricsSnapshot | None, current: Settings,
                       now: float) -> list[Condition] | None:
     """TuningApplied from the settings the pods report; None (keep the previous one) when
     no pod reports any (no data, or stock vLLM pods without the kvpilot: gauges)."""

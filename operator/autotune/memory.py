@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .decision import Action, Diagnosis, Settings, Thresholds
 from .history import History
-from .signals import Snapshot
+from .signals import MetricsSnapshot
 from .verify import ago
 
 QUEUE_BOUND = (Diagnosis.SCHEDULER_BOUND, Diagnosis.KV_CACHE_BOUND, Diagnosis.HARDWARE_BOUND)
@@ -51,7 +51,7 @@ def blocked_move(history: History, setting: str, direction: int, now: float, t: 
 
 
 
-def cap_in_window(s: Snapshot, cur: Settings, history: History) -> int:
+def cap_in_window(s: MetricsSnapshot, cur: Settings, history: History) -> int:
     """The lowest max_num_seqs in effect during the window: right after a raise, the
     window's mean running count still reflects the old cap."""
     last = history.last_applied()

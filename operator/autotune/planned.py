@@ -10,14 +10,14 @@ from .decision import Bounds, Diagnosis, Settings, Thresholds
 from .history import History, HistoryEntry
 from .memory import PRESSURE, blocked_move, cap_in_window
 from .planner import Plan, StepModel, fit, plan
-from .signals import Snapshot
+from .signals import MetricsSnapshot
 
 # Where the fitted deployment model sizes replicas and batch width; the other diagnoses
 # keep their rules (preemption, length refusals, a full cache, idle).
 PLANNED = (Diagnosis.TPOT_BOUND, Diagnosis.SCHEDULER_BOUND, Diagnosis.HARDWARE_BOUND, Diagnosis.HEALTHY)
 
 
-def plan_from_history(s: Snapshot, cur: Settings, bounds: Bounds, history: History, now: float,
+def plan_from_history(s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: History, now: float,
                       t: Thresholds) -> tuple[Plan | None, str]:
     """(this interval's plan, or None when the rules decide instead; why the model is not
     used, or ""). The model drives only once it is supported by enough windows, fits them,
@@ -39,7 +39,7 @@ def plan_from_history(s: Snapshot, cur: Settings, bounds: Bounds, history: Histo
     return p, ""
 
 
-def distrust(model: StepModel, s: Snapshot, cur: Settings, t: Thresholds | None = None) -> str:
+def distrust(model: StepModel, s: MetricsSnapshot, cur: Settings, t: Thresholds | None = None) -> str:
     """Why the fitted model must not size capacity yet ("" when it may)."""
     t = t or Thresholds()
     if model.windows < t.model_min_windows:
@@ -68,7 +68,7 @@ def scale_out_in_cooldown(diagnosis: Diagnosis, cur: Settings, p: Plan | None, l
     return new > old and now - last.decision.time >= t.scale_out_cooldown_s and p.replicas > cur.replicas
 
 
-def planned_change(diagnosis: Diagnosis, s: Snapshot, cur: Settings, p: Plan, history: History,
+def planned_change(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, p: Plan, history: History,
                    now: float, t: Thresholds):
     """(change, target signal, sentence, diagnosis, planned replicas) for the policy."""
     change = {}

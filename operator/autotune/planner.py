@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from .decision import Bounds, Settings, Thresholds
 from .history import History, Observation
-from .signals import Snapshot
+from .signals import MetricsSnapshot
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class StepModel:
                 f"(residual {fit})")
 
 
-def observation(s: Snapshot, replicas: int) -> Observation | None:
+def observation(s: MetricsSnapshot, replicas: int) -> Observation | None:
     """This window as a data point, when it is one of steady load with finished requests."""
     pods = len(s.pods) or replicas
     if (s.tpot_mean_s is None or not s.tpot_mean_s > 0 or not s.num_running or pods < 1
@@ -195,7 +195,7 @@ class Plan:
     uncertainty: float = math.inf  # the model's relative error at the planned operating point
 
 
-def _p95_after(s: Snapshot, cur: Settings, replicas: int, model: StepModel) -> float:
+def _p95_after(s: MetricsSnapshot, cur: Settings, replicas: int, model: StepModel) -> float:
     """TPOT p95 at `replicas`, scaled from the observed p95 by the model's ratio: the model
     gives the relative change, the measurement the level (so a model fitted on other
     traffic cannot talk a scale-in into a broken objective)."""
@@ -208,7 +208,7 @@ def _p95_after(s: Snapshot, cur: Settings, replicas: int, model: StepModel) -> f
     return s.tpot_p95_s * model.tpot(x * k, p * k) / now if now > 0 else math.inf
 
 
-def kv_width(s: Snapshot, ps: PlannerSettings) -> float:
+def kv_width(s: MetricsSnapshot, ps: PlannerSettings) -> float:
     """Sequences that fit the smallest pod's cache at the observed mean length: the finished
     requests' own, else tokens processed per finished request (which a phase change skews:
     the new phase's prompts are processed long before its requests finish)."""
@@ -223,12 +223,12 @@ def kv_width(s: Snapshot, ps: PlannerSettings) -> float:
     return ps.kv_fill * s.kv_cache_bytes / s.kv_bytes_per_token / per_request
 
 
-def latency_free(s: Snapshot) -> bool:
+def latency_free(s: MetricsSnapshot) -> bool:
     """Whether every request that finished in the window asked for no latency ("flex")."""
     return s.tpot_p95_s is None and (s.flex_share or 0.0) > 0
 
 
-def plan(s: Snapshot, cur: Settings, bounds: Bounds, model: StepModel, t: Thresholds,
+def plan(s: MetricsSnapshot, cur: Settings, bounds: Bounds, model: StepModel, t: Thresholds,
          ps: PlannerSettings = PlannerSettings()) -> Plan | None:
     """The replica count and batch width for the demand this window shows, or None when
     the objective or the demand is unknown."""

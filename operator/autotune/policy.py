@@ -31,7 +31,7 @@ from .history import History
 from .memory import PRESSURE, QUEUE_BOUND, blocked_move, broken_width, cap_in_window
 from .planned import PLANNED, plan_from_history, planned_change, scale_out_in_cooldown
 from .scale_in import scale_in_when_calm
-from .signals import Snapshot
+from .signals import MetricsSnapshot
 from .speculation import speculation_change
 from .steps import (len_target, lower_seqs, lower_seqs_for_tpot, raise_seqs, round_up, seqs_ceiling,
                     tpot_blocks_raise)
@@ -41,7 +41,7 @@ DEFAULT_THRESHOLDS = Thresholds()
 
 
 def decide(
-    snapshot: Snapshot,
+    snapshot: MetricsSnapshot,
     current: Settings,
     bounds: Bounds,
     history: History,
@@ -131,7 +131,7 @@ def decide(
                     verifies=verifies, verified=verified, planned_replicas=planned)
 
 
-def prefix_cache_warning(snapshot: Snapshot, shared_prefix: bool,
+def prefix_cache_warning(snapshot: MetricsSnapshot, shared_prefix: bool,
                          thresholds: Thresholds = DEFAULT_THRESHOLDS) -> str | None:
     """A warning (for a condition and an Event; never an action) when prompts are known to
     share a prefix (`shared_prefix`, e.g. a system prompt) yet the cache rarely hits: the
@@ -149,7 +149,7 @@ def prefix_cache_warning(snapshot: Snapshot, shared_prefix: bool,
 
 # --- diagnosis --------------------------------------------------------------------------
 
-def _diagnose(s: Snapshot, cur: Settings, bounds: Bounds, history: History,
+def _diagnose(s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: History,
               t: Thresholds) -> tuple[Diagnosis, str]:
     prev = history.last_diagnosis()
     preempt_level = t.preempt_exit_per_s if prev is Diagnosis.PREEMPTION_BOUND else t.preempt_enter_per_s
@@ -179,7 +179,7 @@ def _diagnose(s: Snapshot, cur: Settings, bounds: Bounds, history: History,
     return _diagnose_load(s, cur, bounds, history, t)
 
 
-def _diagnose_load(s: Snapshot, cur: Settings, bounds: Bounds, history: History,
+def _diagnose_load(s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: History,
                    t: Thresholds) -> tuple[Diagnosis, str]:
     """TPOT, then queueing split by what binds (the rest of _diagnose)."""
     prev = history.last_diagnosis()
@@ -220,7 +220,7 @@ def _diagnose_load(s: Snapshot, cur: Settings, bounds: Bounds, history: History,
 
 # --- actions ----------------------------------------------------------------------------
 
-def _act(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, history: History,
+def _act(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: History,
          now: float, capacity: CapacityPlan | None, t: Thresholds):
     """(change, target signal, sentence, diagnosis) for the diagnosis, or None to hold."""
     if diagnosis is Diagnosis.IDLE:
@@ -293,7 +293,7 @@ def _act(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, histo
     return None
 
 
-def _scale_out(cur: Settings, bounds: Bounds, history: History, s: Snapshot, t: Thresholds,
+def _scale_out(cur: Settings, bounds: Bounds, history: History, s: MetricsSnapshot, t: Thresholds,
                note: str, diagnosis: Diagnosis):
     prefix = f"{note}; " if note else ""
     if cur.hpa_owns_scale:

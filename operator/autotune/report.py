@@ -17,7 +17,7 @@ from .capacity import CapacityPlan
 from .decision import Action, Decision, Diagnosis
 from .history import History, HistoryEntry, Observation
 from .planner import fit
-from .signals import Snapshot
+from .signals import MetricsSnapshot
 
 _CAMEL = {"max_num_seqs": "maxNumSeqs", "max_model_len": "maxModelLen", "replicas": "replicas",
           "num_speculative_tokens": "numSpeculativeTokens"}
@@ -43,7 +43,7 @@ def decision_status(d: Decision, applied: bool | None = None, verified: bool | N
     )
 
 
-def snapshot_status(s: Snapshot) -> SnapshotStatus:
+def snapshot_status(s: MetricsSnapshot) -> SnapshotStatus:
     def r(v):
         return None if v is None else round(float(v), 4)
 
@@ -63,7 +63,7 @@ def snapshot_status(s: Snapshot) -> SnapshotStatus:
     )
 
 
-def build_report(decision: Decision, history: History, snapshot: Snapshot | None = None,
+def build_report(decision: Decision, history: History, snapshot: MetricsSnapshot | None = None,
                  capacity: CapacityPlan | None = None, advice: list[AdviceStatus] | None = None) -> AutotuneStatus:
     """status.autotune after this interval; `history` should already include `decision`
     (History.record), so the last decision's entry carries its applied flag."""
@@ -132,7 +132,7 @@ TABLE_HEADER = (f"{'time':<8} {'KV%':>5} {'preempt/s':>9} {'queue p95':>9} {'TTF
                 f"{'tok/s':>6} {'seqs':>5} {'len':>6} {'repl':>4}  {'diagnosis':<15} decision")
 
 
-def format_table_row(time: float, snapshot: Snapshot | None, max_num_seqs: int, max_model_len: int,
+def format_table_row(time: float, snapshot: MetricsSnapshot | None, max_num_seqs: int, max_model_len: int,
                      replicas: int, decision: Decision | None) -> str:
     """One line of the live demo table (see TABLE_HEADER); unknown numbers print as '-'."""
     def num(v, fmt):

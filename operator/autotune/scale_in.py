@@ -17,7 +17,7 @@ from .decision import Bounds, Diagnosis, Settings, Thresholds
 from .history import History
 from .memory import PRESSURE
 from .planner import _p95_after, fit
-from .signals import Snapshot
+from .signals import MetricsSnapshot
 from .verify import ago
 
 CALM = (Diagnosis.HEALTHY, Diagnosis.IDLE)
@@ -40,7 +40,7 @@ def flipped(history: History, now: float, t: Thresholds, target: int) -> str | N
     return None
 
 
-def scale_in_when_calm(s: Snapshot, cur: Settings, bounds: Bounds, history: History, now: float,
+def scale_in_when_calm(s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: History, now: float,
                        t: Thresholds):
     """(change, target, sentence, diagnosis) removing a replica, an explanation of why not
     yet ({} change), or None when there is nothing to remove."""

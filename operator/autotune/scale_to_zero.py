@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .decision import Action, Bounds, Decision, Diagnosis, Settings
 from .history import History
-from .signals import Snapshot
+from .signals import MetricsSnapshot
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class IdleReport:
     youngest_pod_s: float | None  # seconds since the youngest pod's process started
 
 
-def quiet(snapshot: Snapshot) -> bool:
+def quiet(snapshot: MetricsSnapshot) -> bool:
     """No request in the autotuner's own window: only then is the longer period asked about."""
     return all((v or 0) == 0 for v in (snapshot.request_rate_per_s, snapshot.num_running, snapshot.num_waiting))
 

@@ -1,4 +1,4 @@
-"""What the autotuner sees of one LLMDeployment over one window: a frozen `Snapshot`
+"""What the autotuner sees of one LLMDeployment over one window: a frozen `MetricsSnapshot`
 of the engine's own signals, aggregated over its pods, plus which signals were missing
 or stale. The Prometheus reader builds it; the policy only reads it."""
 
@@ -41,7 +41,7 @@ class PodSettings:
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class MetricsSnapshot:
     """Deployment-wide signals over `window_s` seconds ending at `time` (unix seconds).
 
     Gauges are means over the window summed over pods (waiting, running), or mean/max

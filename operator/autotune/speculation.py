@@ -28,7 +28,7 @@ from __future__ import annotations
 from .decision import Bounds, Diagnosis, Settings, Thresholds
 from .history import History
 from .memory import blocked_move
-from .signals import Snapshot
+from .signals import MetricsSnapshot
 
 SETTING = "num_speculative_tokens"
 # No raise under KV pressure (each draft needs cache slots) or without load to measure.
@@ -75,7 +75,7 @@ def best_k(a: float, rows_per_replica: float, lo: int, hi: int, compute_rows: fl
     return best
 
 
-def speculation_change(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: Bounds, history: History,
+def speculation_change(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: History,
                        now: float, t: Thresholds, direction: int):
     """(change, target signal, sentence, diagnosis) moving K down (direction -1) or up (+1),
     or None: no speculation configured, nothing measured, no predicted gain, or blocked."""

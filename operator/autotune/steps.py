@@ -1,5 +1,5 @@
 """How far one move goes: the new max_num_seqs or max_model_len for a diagnosis, bounded
-per step and by the spec's bounds. Pure arithmetic on a Snapshot; the policy decides
+per step and by the spec's bounds. Pure arithmetic on a MetricsSnapshot; the policy decides
 whether to move at all."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 
 from .capacity import CapacityPlan
 from .decision import Bounds, Settings, Thresholds
-from .signals import Snapshot
+from .signals import MetricsSnapshot
 
 
 def lower_seqs(cur: Settings, bounds: Bounds, capacity: CapacityPlan | None, t: Thresholds,
@@ -36,7 +36,7 @@ def seqs_ceiling(cur: Settings, bounds: Bounds) -> int:
     return ceiling
 
 
-def raise_seqs(s: Snapshot, cur: Settings, bounds: Bounds, t: Thresholds) -> int | None:
+def raise_seqs(s: MetricsSnapshot, cur: Settings, bounds: Bounds, t: Thresholds) -> int | None:
     n = cur.max_num_seqs
     new = max(n + 1, math.ceil(n * t.seq_increase))
     # Keep the projected peak KV usage (usage scales with admitted sequences) under target.
@@ -49,7 +49,7 @@ def raise_seqs(s: Snapshot, cur: Settings, bounds: Bounds, t: Thresholds) -> int
     return new if new > n else None
 
 
-def lower_seqs_for_tpot(s: Snapshot, cur: Settings, bounds: Bounds, t: Thresholds) -> int | None:
+def lower_seqs_for_tpot(s: MetricsSnapshot, cur: Settings, bounds: Bounds, t: Thresholds) -> int | None:
     """The batch width that brings TPOT to objective x tpot_target_ratio, supposing step
     time proportional to width (it has a fixed part too, so this cuts too little rather than
     too much; the next interval takes another step). The width is what runs, not the cap
@@ -64,7 +64,7 @@ def lower_seqs_for_tpot(s: Snapshot, cur: Settings, bounds: Bounds, t: Threshold
     return new if new < cur.max_num_seqs else None
 
 
-def tpot_room(s: Snapshot, cur: Settings, t: Thresholds) -> int | None:
+def tpot_room(s: MetricsSnapshot, cur: Settings, t: Thresholds) -> int | None:
     """The widest batch projected to keep TPOT p95 under objective x tpot_raise_ratio, TPOT
     taken as proportional to the running width (which overstates the growth: cautious);
     None without an objective or a TPOT reading."""
@@ -74,7 +74,7 @@ def tpot_room(s: Snapshot, cur: Settings, t: Thresholds) -> int | None:
     return math.floor(width * t.tpot_objective_s * t.tpot_raise_ratio / s.tpot_p95_s)
 
 
-def tpot_blocks_raise(s: Snapshot, cur: Settings, t: Thresholds) -> str | None:
+def tpot_blocks_raise(s: MetricsSnapshot, cur: Settings, t: Thresholds) -> str | None:
     room = tpot_room(s, cur, t)
     if room is None or room > cur.max_num_seqs:
         return None
@@ -83,7 +83,7 @@ def tpot_blocks_raise(s: Snapshot, cur: Settings, t: Thresholds) -> str | None:
             f"for a wider batch, so widening it would break the objective")
 
 
-def len_target(s: Snapshot, cur: Settings, bounds: Bounds, t: Thresholds) -> int | None:
+def len_target(s: MetricsSnapshot, cur: Settings, bounds: Bounds, t: Thresholds) -> int | None:
     """The lower max_model_len KVCacheBound would move to, or None when lengths are not
     far below it (or unknown, or requests are being refused for length)."""
     if s.request_len_p99 is None or (s.length_refusals_per_s or 0.0) > t.refusal_enter_per_s:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from .decision import Bounds, Settings, Thresholds
 from .history import History
-from .signals import Snapshot
+from .signals import MetricsSnapshot
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class Verdict:
     note: str = ""  # the judgement, for the reason
 
 
-def judge_last_change(s: Snapshot, cur: Settings, bounds: Bounds, history: History, now: float,
+def judge_last_change(s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: History, now: float,
                       t: Thresholds) -> Verdict:
     pending = history.pending_verification()
     if pending is None:
@@ -64,7 +64,7 @@ def judge_last_change(s: Snapshot, cur: Settings, bounds: Bounds, history: Histo
     return Verdict(d.time, verified, note=f"verified: {notes[0] if notes else judged}" if verified else "")
 
 
-def settle_time(s: Snapshot) -> float:
+def settle_time(s: MetricsSnapshot) -> float:
     """How long after a change its window must start. Latencies (TPOT, queue time) are
     observed when a request finishes, so for a while after a change the histograms still
     fill with requests that ran mostly before it. Twice the mean request latency covers
@@ -74,7 +74,7 @@ def settle_time(s: Snapshot) -> float:
     return min(s.window_s, 2 * s.request_latency_mean_s)
 
 
-def throughput_baseline(s: Snapshot, t: Thresholds) -> float | None:
+def throughput_baseline(s: MetricsSnapshot, t: Thresholds) -> float | None:
     """Output tokens/s to guard a change with, when they measure capacity: only while
     requests wait (otherwise tokens/s follow the offered load, not the settings)."""
     if s.generation_tokens_per_s is None or s.generation_tokens_per_s <= 0:
@@ -82,7 +82,7 @@ def throughput_baseline(s: Snapshot, t: Thresholds) -> float | None:
     return s.generation_tokens_per_s if s.num_waiting >= t.waiting_exit else None
 
 
-def _throughput_ratio(s: Snapshot, baseline: float | None, t: Thresholds) -> float | None:
+def _throughput_ratio(s: MetricsSnapshot, baseline: float | None, t: Thresholds) -> float | None:
     """Output tokens/s now over the baseline, judged only while requests still wait: with
     an empty queue tokens/s follow the offered load, not the settings."""
     if baseline is None or s.generation_tokens_per_s is None or s.num_waiting < t.waiting_exit:
@@ -90,7 +90,7 @@ def _throughput_ratio(s: Snapshot, baseline: float | None, t: Thresholds) -> flo
     return s.generation_tokens_per_s / baseline
 
 
-def _throughput_lost(s: Snapshot, baseline: float | None, t: Thresholds) -> str | None:
+def _throughput_lost(s: MetricsSnapshot, baseline: float | None, t: Thresholds) -> str | None:
     ratio = _throughput_ratio(s, baseline, t)
     if ratio is None or ratio >= 1 - t.throughput_drop_rel:
         return None
@@ -98,7 +98,7 @@ def _throughput_lost(s: Snapshot, baseline: float | None, t: Thresholds) -> str 
             f"more than {t.throughput_drop_rel:.0%}) with requests still waiting")
 
 
-def _throughput_gained(s: Snapshot, baseline: float | None, t: Thresholds) -> str | None:
+def _throughput_gained(s: MetricsSnapshot, baseline: float | None, t: Thresholds) -> str | None:
     """Output tokens/s rose by more than throughput_gain_rel while requests still wait."""
     ratio = _throughput_ratio(s, baseline, t)
     if ratio is None or ratio <= 1 + t.throughput_gain_rel:
@@ -106,14 +106,14 @@ def _throughput_gained(s: Snapshot, baseline: float | None, t: Thresholds) -> st
     return f"output rose {baseline:.0f} -> {s.generation_tokens_per_s:.0f} tokens/s with requests waiting"
 
 
-def _preempting(s: Snapshot, t: Thresholds) -> bool:
+def _preempting(s: MetricsSnapshot, t: Thresholds) -> bool:
     return (s.preemptions_per_s >= t.preempt_enter_per_s
             and s.preemptions_per_request >= t.preempt_per_request_enter)
 
 
 # --- formatting shared with the policy ----------------------------------------------------
 
-def signal(s: Snapshot, name: str) -> float:
+def signal(s: MetricsSnapshot, name: str) -> float:
     v = getattr(s, name)
     return 0.0 if v is None else float(v)  # an empty quantile means nothing waited
 

@@ -1,16 +1,15 @@
 """The Prometheus HTTP client the operator's readers use, and what its answers may be: the
 QueryClient protocol, well-formed instant vectors, and MetricsUnavailable for anything else.
-The client is prometheus_api_client with a
-request timeout (a Prometheus that hangs must not hold a reconcile forever), and every
-query counted and timed in the operator's own metrics, by reader (`deployment`: the
-per-deployment reader; `fleet`: one grouped read for a resync pass)."""
+The client is prometheus_api_client with a request timeout (a Prometheus that hangs must not
+hold a reconcile forever), and every query counted and timed in the operator's own metrics,
+by reader (`deployment`: the per-deployment reader; `fleet`: one grouped read for a resync
+pass). Both are imported by connect(), where a client is made: the autotuner's pure parts
+(and `kvpilot operator --help`) load neither."""
 from __future__ import annotations
 
 import math
 import time
 from typing import Any, Protocol
-
-from ...runtime import metrics
 
 
 class QueryClient(Protocol):
@@ -87,7 +86,9 @@ class CountingClient:
     """A QueryClient that counts its queries and their outcome."""
 
     def __init__(self, inner: QueryClient, reader: str, url: str = "") -> None:
-        self.inner, self.reader, self.url = inner, reader, url
+        from ...runtime import metrics  # prometheus_client's registry: only where queries are sent
+
+        self.inner, self.reader, self.url, self.metrics = inner, reader, url, metrics
 
     def custom_query(self, query: str, params: dict | None = None) -> list[dict[str, Any]]:
         start = time.monotonic()
@@ -97,8 +98,8 @@ class CountingClient:
             outcome = "ok"
             return result
         finally:
-            metrics.PROMETHEUS_QUERIES.labels(self.reader, outcome).inc()
-            metrics.PROMETHEUS_QUERY_DURATION.labels(self.reader).observe(time.monotonic() - start)
+            self.metrics.PROMETHEUS_QUERIES.labels(self.reader, outcome).inc()
+            self.metrics.PROMETHEUS_QUERY_DURATION.labels(self.reader).observe(time.monotonic() - start)
 
 
 def connect(url: str, reader: str, timeout_s: float = QUERY_TIMEOUT_S) -> CountingClient:

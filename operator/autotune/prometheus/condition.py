@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from ...api.status import Condition
 from .client import BAD_RESPONSE, UNREACHABLE, MetricsUnavailable
-from ..signals import Snapshot
+from ..signals import MetricsSnapshot
 
 METRICS_CONDITION = "MetricsAvailable"
 
 
-def metrics_condition(url: str, snap: Snapshot | None, error: Exception | None) -> Condition:
+def metrics_condition(url: str, snap: MetricsSnapshot | None, error: Exception | None) -> Condition:
     if error is not None:
         reason = error.reason if isinstance(error, MetricsUnavailable) else BAD_RESPONSE
         detail = error.detail if isinstance(error, MetricsUnavailable) else f"{type(error).__name__}: {error}"

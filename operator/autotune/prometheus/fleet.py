@@ -3,9 +3,9 @@
 The per-deployment reader (prometheus.py) asks about fifty instant queries for each
 deployment; for a fleet of N that is 50 x N queries per resync. The FleetReader asks
 the same PromQL once, grouped `by (namespace, <deployment label>)`, keeps the answers
-for the resync pass that asked, and cuts each deployment's Snapshot out of them with
+for the resync pass that asked, and cuts each deployment's MetricsSnapshot out of them with
 the very same assembly (prometheus.assemble_snapshot), so both readers give the same
-Snapshot for the same data.
+MetricsSnapshot for the same data.
 
 A FleetReaders object lives for one resync pass: it hands each Prometheus URL its own
 FleetReader (deployments pointing at different Prometheus servers are read apart), and
@@ -26,7 +26,7 @@ from .queries import (DEFAULT_REFUSAL_METRIC, FleetTarget, Target, build_freshne
                      build_settings_queries, duration)
 from .reader import Answers, assemble_snapshot, read_idle
 from .client import QueryClient, checked_query, instant_samples
-from ..signals import Snapshot
+from ..signals import MetricsSnapshot
 
 Key = tuple[str, str]  # (namespace, deployment)
 
@@ -70,7 +70,7 @@ class FleetReader:
         target = Target(namespace, name, self.target.label, self.target.namespace_label, self.target.pod_label)
         return read_idle(self.client, self.url, target, period_s)
 
-    def snapshot(self, namespace: str, name: str, window_s: float, at: float | None = None) -> Snapshot:
+    def snapshot(self, namespace: str, name: str, window_s: float, at: float | None = None) -> MetricsSnapshot:
         answers = self.fleet_answers(window_s, at)
         return assemble_snapshot(answers.cut(namespace, name), window_s, at, stale_after_s=self.stale_after_s,
                                  refusal_metric=self.refusal_metric, pod_label=self.target.pod_label)

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from kvpilot.engine.metrics.buckets import FLEX_TIER, TIER_TPOT_METRIC  # the metric contract
 
 
-# Snapshot field -> the raw metric it is computed from (checked for absence and staleness).
+# MetricsSnapshot field -> the raw metric it is computed from (checked for absence and staleness).
 SOURCES = {
     "kv_usage_mean": "vllm:kv_cache_usage_perc",
     "kv_usage_max": "vllm:kv_cache_usage_perc",
@@ -96,7 +96,7 @@ EXTRA_SOURCES = {"request_len_p99": "vllm:request_generation_tokens_bucket",
                  "spec_mean_accepted_len": "vllm:spec_decode_num_accepted_tokens_total"}
 SETTINGS_METRICS = {"max_num_seqs": "kvpilot:max_num_seqs", "max_model_len": "kvpilot:max_model_len",
                     "num_speculative_tokens": "kvpilot:num_speculative_tokens"}
-# Not a Snapshot field: TPOT p95 over the tiers other than flex, which replaces tpot_p95_s
+# Not a MetricsSnapshot field: TPOT p95 over the tiers other than flex, which replaces tpot_p95_s
 # where the pods export TPOT by tier.
 TIERED_TPOT_P95 = "tiered_tpot_p95_s"
 DEFAULT_REFUSAL_METRIC = "kvpilot:request_length_refusals_total"
@@ -157,7 +157,7 @@ def _aggregate(op: str, grouping: tuple[str, ...], extra: tuple[str, ...] = ()) 
 
 def build_queries(target: Target | FleetTarget, window_s: float,
                   refusal_metric: str = DEFAULT_REFUSAL_METRIC) -> dict[str, str]:
-    """Snapshot field -> PromQL (instant queries evaluated at the window's end). A
+    """MetricsSnapshot field -> PromQL (instant queries evaluated at the window's end). A
     FleetTarget gives the same expressions grouped by deployment."""
     sel, w, by = target.selector, duration(window_s), target.grouping
     sum_, avg, max_, min_ = (_aggregate(op, by) for op in ("sum", "avg", "max", "min"))

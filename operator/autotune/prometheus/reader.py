@@ -1,4 +1,4 @@
-"""Reads one LLMDeployment's signals from Prometheus into a Snapshot, with the queries of
+"""Reads one LLMDeployment's signals from Prometheus into a MetricsSnapshot, with the queries of
 promql.py (which says what each signal is read from) over a QueryClient (query_client.py).
 
 Staleness: for each raw metric, the oldest pod's newest sample (`min(timestamp(...))`)
@@ -16,7 +16,7 @@ from typing import Any
 from .queries import (DEFAULT_REFUSAL_METRIC, EXTRA_SOURCES, SOURCES, TIERED_TPOT_P95, Target, build_freshness_queries,
                      build_idle_queries, build_queries, build_settings_queries)
 from .client import QueryClient, checked_query, connect, first_sample, instant_samples
-from ..signals import PodSettings, Snapshot
+from ..signals import PodSettings, MetricsSnapshot
 
 
 
@@ -32,7 +32,7 @@ def read_idle(client: QueryClient, url: str, target: Target, period_s: float):
 
 
 class PrometheusReader:
-    """Snapshot = reader.snapshot(namespace, name, window_s)."""
+    """MetricsSnapshot = reader.snapshot(namespace, name, window_s)."""
 
     def __init__(self, client: QueryClient, *, url: str = "", scrape_interval_s: float = 15.0, stale_after_scrapes: float = 3.0,
                  label: str = "llmdeployment", namespace_label: str = "namespace", pod_label: str = "pod",
@@ -55,7 +55,7 @@ class PrometheusReader:
         """The IdleReport of the `period_s` seconds ending now."""
         return read_idle(self.client, self.url, self.target(namespace, name), period_s)
 
-    def snapshot(self, namespace: str, name: str, window_s: float, at: float | None = None) -> Snapshot:
+    def snapshot(self, namespace: str, name: str, window_s: float, at: float | None = None) -> MetricsSnapshot:
         """The deployment's signals over the `window_s` seconds ending at `at` (unix
         seconds; Prometheus's own now when None). Query errors propagate to the caller."""
         target = self.target(namespace, name)
@@ -74,7 +74,7 @@ class PrometheusReader:
 
 @dataclass
 class Answers:
-    """One deployment's query answers: (evaluation time, value) or None per Snapshot field
+    """One deployment's query answers: (evaluation time, value) or None per MetricsSnapshot field
     and per raw metric's newest-sample query, and the settings gauges' series."""
 
     values: dict[str, tuple[float, float | None] | None]
@@ -83,8 +83,8 @@ class Answers:
 
 
 def assemble_snapshot(answers: Answers, window_s: float, at: float | None, *, stale_after_s: float,
-                      refusal_metric: str = DEFAULT_REFUSAL_METRIC, pod_label: str = "pod") -> Snapshot:
-    """The Snapshot from the answers, whichever reader asked (one deployment or the fleet)."""
+                      refusal_metric: str = DEFAULT_REFUSAL_METRIC, pod_label: str = "pod") -> MetricsSnapshot:
+    """The MetricsSnapshot from the answers, whichever reader asked (one deployment or the fleet)."""
     values: dict[str, float | None] = {}
     eval_times: list[float] = []
     for field, got in answers.values.items():
@@ -122,7 +122,7 @@ def assemble_snapshot(answers: Answers, window_s: float, at: float | None, *, st
             if value is not None:
                 pods.setdefault(str(labels.get(pod_label, "?")), {})[setting] = int(value)
 
-    return Snapshot(
+    return MetricsSnapshot(
         time=now, window_s=window_s,
         pods=tuple(PodSettings(pod, **s) for pod, s in sorted(pods.items())),
         missing=tuple(sorted(set(missing))), stale=tuple(sorted(set(stale))),

@@ -22,7 +22,7 @@ from ..planner import observation
 from ..policy import decide
 from ..prometheus.reader import PrometheusReader
 from .promql_lite import TSDB
-from ..signals import Snapshot
+from ..signals import MetricsSnapshot
 
 NAMESPACE, NAME, LABEL = "sim", "sim", "llmdeployment"
 CHUNK_MIN = 512  # the smallest chunk budget the autotuner goes to by default
@@ -79,7 +79,7 @@ class Interval:
     """One decision interval: what the autotuner saw and what it did."""
 
     time: float
-    snapshot: Snapshot
+    snapshot: MetricsSnapshot
     decision: Decision
     applied: bool
     max_num_seqs: int

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from kvpilot.operator.autotune import (
-    Action, Bounds, Decision, Diagnosis, History, Range, Settings, Snapshot, Thresholds, decide,
+    Action, Bounds, Decision, Diagnosis, History, Range, Settings, MetricsSnapshot, Thresholds, decide,
     history_from_status, build_report,
 )
 
@@ -18,13 +18,13 @@ CUR = Settings(max_num_seqs=64, max_model_len=2048, replicas=1, block_size=16, m
 TPOT = Thresholds(tpot_objective_s=0.050)
 
 
-def snap(t=T0, **kw) -> Snapshot:
+def snap(t=T0, **kw) -> MetricsSnapshot:
     base = dict(time=t, window_s=WINDOW, kv_usage_mean=0.40, kv_usage_max=0.55, preemptions_per_s=0.0,
                 queue_time_p95_s=0.05, ttft_p95_s=0.1, tpot_p95_s=0.030, generation_tokens_per_s=500.0,
                 num_waiting=0.0, num_running=4.0, running_min=3.0, request_rate_per_s=2.0,
                 request_len_p99=300.0, prefix_hit_rate=0.5)
     base.update(kw)
-    return Snapshot(**base)
+    return MetricsSnapshot(**base)
 
 
 def run(s, cur=CUR, history=History(), thresholds=Thresholds()) -> Decision:
@@ -118,7 +118,7 @@ def test_a_raise_never_projects_tpot_past_the_objective():
     assert "max_num_seqs" not in edge.change and "leaves no room under 45ms" in edge.reason
 
 
-def toy_tpot_engine(seqs: int, t: float, clients: int = 48) -> Snapshot:
+def toy_tpot_engine(seqs: int, t: float, clients: int = 48) -> MetricsSnapshot:
     """Step time 26ms + 0.8ms per running sequence (what the tiny model measures on two CPU
     cores); a closed loop of `clients` users; the KV cache never binds."""
     running = min(seqs, clients)

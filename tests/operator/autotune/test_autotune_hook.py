@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY
 
 from kvpilot.operator.autotune.hook import SERIES_LABEL, autotune_step, parse_duration, thresholds_for
 from kvpilot.operator.autotune.report import rfc3339
-from kvpilot.operator.autotune.signals import PodSettings, Snapshot
+from kvpilot.operator.autotune.signals import PodSettings, MetricsSnapshot
 from kvpilot.operator.manifests.objects import Owner
 from kvpilot.operator.autotune.context import AutotuneContext
 from kvpilot.operator.reconcile import parse_spec, reconcile
@@ -79,14 +79,14 @@ class FakeKube:
         return False
 
 
-def snap(t=T0, seqs=64, model_len=512, **kw) -> Snapshot:
+def snap(t=T0, seqs=64, model_len=512, **kw) -> MetricsSnapshot:
     base = dict(time=t, window_s=15.0, kv_usage_mean=0.40, kv_usage_max=0.55, preemptions_per_s=0.0,
                 queue_time_p95_s=0.05, ttft_p95_s=0.1, num_waiting=0.0, num_running=4.0,
                 request_rate_per_s=2.0, request_len_p99=160.0, prefix_hit_rate=0.5,
                 length_refusals_per_s=0.0, kv_cache_bytes=2 * MiB, kv_bytes_per_token=4096,
                 pods=(PodSettings("tiny-0", seqs, model_len),))
     base.update(kw)
-    return Snapshot(**base)
+    return MetricsSnapshot(**base)
 
 
 PREEMPTING = dict(preemptions_per_s=2.0, kv_usage_mean=0.97, kv_usage_max=1.0, num_waiting=10.0, num_running=40.0,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvpilot.operator.autotune import Action, Bounds, Decision, Diagnosis, History, Range, Settings, Snapshot, decide
+from kvpilot.operator.autotune import Action, Bounds, Decision, Diagnosis, History, Range, Settings, MetricsSnapshot, decide
 from kvpilot.operator.autotune.decision import Thresholds
 from kvpilot.operator.autotune.history import Observation
 from kvpilot.operator.autotune.planner import observation
@@ -18,7 +18,7 @@ CUR = Settings(max_num_seqs=256, max_model_len=32768, replicas=1, max_num_batche
 MODEL = Thresholds(tpot_objective_s=0.05, planner=True, cooldown_s=60.0)
 
 
-def snap(t=T0, **kw) -> Snapshot:
+def snap(t=T0, **kw) -> MetricsSnapshot:
     """A healthy, lightly loaded replica (the Azure conversation hour at its real rate)."""
     base = dict(time=t, window_s=60.0, kv_usage_mean=0.02, kv_usage_max=0.04, preemptions_per_s=0.0,
                 queue_time_p95_s=0.02, ttft_p95_s=0.3, tpot_p95_s=0.015, tpot_mean_s=0.011,
@@ -26,7 +26,7 @@ def snap(t=T0, **kw) -> Snapshot:
                 running_min=2.0, request_rate_per_s=5.0, prompt_tokens_per_s=5000.0, request_len_p99=4000.0,
                 length_refusals_per_s=None, kv_cache_bytes=55e9, kv_bytes_per_token=131072.0)
     base.update(kw)
-    return Snapshot(**base)
+    return MetricsSnapshot(**base)
 
 
 def run_intervals(snaps, cur: Settings, t: Thresholds = MODEL, history: History = History(), step: float = 15.0):

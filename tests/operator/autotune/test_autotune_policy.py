@@ -9,7 +9,7 @@ from hypothesis import given, settings as hsettings, strategies as st
 
 from kvpilot.operator.autotune import (
     TINY_FLOAT32, Action, Bounds, Decision, Diagnosis, History, PodSettings, Range, Settings,
-    Snapshot, Thresholds, decide, plan_capacity, prefix_cache_warning,
+    MetricsSnapshot, Thresholds, decide, plan_capacity, prefix_cache_warning,
 )
 
 T0 = 1_700_000_000.0
@@ -18,12 +18,12 @@ BOUNDS = Bounds(max_num_seqs=Range(4, 256), max_model_len=Range(256, 8192), repl
 CUR = Settings(max_num_seqs=64, max_model_len=2048, replicas=1, block_size=16, max_num_batched_tokens=2048)
 
 
-def snap(t=T0, **kw) -> Snapshot:
+def snap(t=T0, **kw) -> MetricsSnapshot:
     base = dict(time=t, window_s=WINDOW, kv_usage_mean=0.40, kv_usage_max=0.55, preemptions_per_s=0.0,
                 queue_time_p95_s=0.05, ttft_p95_s=0.1, num_waiting=0.0, num_running=4.0,
                 request_rate_per_s=2.0, request_len_p99=300.0, prefix_hit_rate=0.5, length_refusals_per_s=None)
     base.update(kw)
-    return Snapshot(**base)
+    return MetricsSnapshot(**base)
 
 
 PREEMPTING = dict(preemptions_per_s=0.5, kv_usage_mean=0.97, kv_usage_max=1.0, num_waiting=10.0, queue_time_p95_s=3.0,
@@ -31,7 +31,7 @@ PREEMPTING = dict(preemptions_per_s=0.5, kv_usage_mean=0.97, kv_usage_max=1.0, n
 SCHED = dict(queue_time_p95_s=2.0, num_waiting=8.0, kv_usage_mean=0.15, kv_usage_max=0.20)
 
 
-def sched(cur: Settings, t=T0, **kw) -> Snapshot:
+def sched(cur: Settings, t=T0, **kw) -> MetricsSnapshot:
     """Queueing with a cool cache while the pods run as many sequences as the cap allows."""
     return snap(t=t, **{**SCHED, "num_running": float(cur.max_num_seqs), **kw})
 KVFULL = dict(queue_time_p95_s=2.0, num_waiting=8.0, kv_usage_mean=0.95, kv_usage_max=0.99, request_len_p99=300.0)
@@ -478,7 +478,7 @@ def test_history_keeps_the_last_n():
 
 # --- closed loop ------------------------------------------------------------------------
 
-def engine(seqs: int, t: float) -> Snapshot:
+def engine(seqs: int, t: float) -> MetricsSnapshot:
     """A toy deployment: the cache holds 24 sequences; 40 requests are always in flight."""
     fits, demand = 24, 40
     running = min(seqs, demand)

@@ -3,7 +3,7 @@
 from dataclasses import replace
 
 from kvpilot.operator.autotune import (
-    TABLE_HEADER, TINY_FLOAT32, Action, Bounds, Diagnosis, History, Range, Settings, Snapshot,
+    TABLE_HEADER, TINY_FLOAT32, Action, Bounds, Diagnosis, History, Range, Settings, MetricsSnapshot,
     build_report, decide, format_table_row, history_from_status, plan_capacity,
 )
 
@@ -13,7 +13,7 @@ CUR = Settings(max_num_seqs=64, max_model_len=2048, replicas=1)
 
 
 def preempting(t=T0, rate=0.5):
-    return Snapshot(time=t, window_s=60, kv_usage_mean=0.97, kv_usage_max=1.0, preemptions_per_s=rate,
+    return MetricsSnapshot(time=t, window_s=60, kv_usage_mean=0.97, kv_usage_max=1.0, preemptions_per_s=rate,
                     queue_time_p95_s=2.0, ttft_p95_s=0.4, num_waiting=9.0, num_running=64.0,
                     request_rate_per_s=3.0, request_len_p99=512.0, prefix_hit_rate=None,
                     missing=("length_refusals_per_s",))

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from kvpilot.operator.autotune import Action, Bounds, Decision, Diagnosis, History, PodSettings, Range, Settings, \
-    Snapshot, Thresholds, decide
+    MetricsSnapshot, Thresholds, decide
 from kvpilot.operator.autotune.report import build_report, history_from_status
 from kvpilot.operator.autotune.speculation import (acceptance_from_mean_len, best_k, step_cost,
                                                    tokens_per_verification, value)
@@ -23,7 +23,7 @@ CUR = Settings(max_num_seqs=256, max_model_len=2048, replicas=1, block_size=16, 
 T = Thresholds()  # spec_compute_rows 128, spec_gain_margin 0.1
 
 
-def snap(t=T0, **kw) -> Snapshot:
+def snap(t=T0, **kw) -> MetricsSnapshot:
     """Healthy, no queue; speculating at K=4 with 1.6 tokens per verification."""
     base = dict(time=t, window_s=WINDOW, kv_usage_mean=0.40, kv_usage_max=0.55, preemptions_per_s=0.0,
                 queue_time_p95_s=0.05, ttft_p95_s=0.1, num_waiting=0.0, num_running=64.0, running_min=50.0,
@@ -31,7 +31,7 @@ def snap(t=T0, **kw) -> Snapshot:
                 tpot_p95_s=0.030, generation_tokens_per_s=2000.0, spec_acceptance_rate=0.15,
                 spec_mean_accepted_len=1.6, spec_drafts_per_s=1000.0, num_speculative_tokens=4.0)
     base.update(kw)
-    return Snapshot(**base)
+    return MetricsSnapshot(**base)
 
 
 def run(s, cur=CUR, history=History(), bounds=BOUNDS, now=None) -> Decision:

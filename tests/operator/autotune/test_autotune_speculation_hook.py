@@ -8,7 +8,7 @@ import functools
 import json
 
 from kvpilot.operator.autotune.hook import autotune_step
-from kvpilot.operator.autotune.signals import PodSettings, Snapshot
+from kvpilot.operator.autotune.signals import PodSettings, MetricsSnapshot
 from kvpilot.operator.manifests.objects import Owner
 from kvpilot.operator.autotune.context import AutotuneContext
 from kvpilot.operator.reconcile import parse_spec, reconcile
@@ -33,7 +33,7 @@ def spec_body(mode="Auto") -> dict:
                          "maxModelLen": {"min": 128, "max": 2048}}}
 
 
-def snap(t=T0, k=4, **kw) -> Snapshot:
+def snap(t=T0, k=4, **kw) -> MetricsSnapshot:
     """Healthy but wide: 200 running x (1 + K) rows a step, 1.5 tokens per verification."""
     base = dict(time=t, window_s=15.0, kv_usage_mean=0.40, kv_usage_max=0.55, preemptions_per_s=0.0,
                 queue_time_p95_s=0.05, num_waiting=0.0, num_running=200.0, running_min=180.0,
@@ -41,7 +41,7 @@ def snap(t=T0, k=4, **kw) -> Snapshot:
                 spec_acceptance_rate=0.125, spec_mean_accepted_len=1.5, spec_drafts_per_s=1000.0,
                 num_speculative_tokens=float(k), pods=(PodSettings("tiny-0", 128, 512, k),))
     base.update(kw)
-    return Snapshot(**base)
+    return MetricsSnapshot(**base)
 
 
 def test_auto_turns_k_off_then_reverts_it_when_tpot_got_worse():

@@ -1,5 +1,5 @@
-"""Speculative decoding's signals in the autotuner's Snapshot: the PromQL the readers build
-(shared by the per-deployment reader and the FleetReader), and the Snapshot with and without
+"""Speculative decoding's signals in the autotuner's MetricsSnapshot: the PromQL the readers build
+(shared by the per-deployment reader and the FleetReader), and the MetricsSnapshot with and without
 the pods' vllm:spec_decode_* series, evaluated by promql_lite with Prometheus's semantics."""
 from __future__ import annotations
 

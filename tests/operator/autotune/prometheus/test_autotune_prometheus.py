@@ -3,7 +3,7 @@
 import math
 
 
-from kvpilot.operator.autotune import PodSettings, PrometheusReader, Snapshot, Target, build_queries
+from kvpilot.operator.autotune import PodSettings, PrometheusReader, MetricsSnapshot, Target, build_queries
 from kvpilot.operator.autotune.prometheus.queries import build_freshness_queries, duration
 
 NOW = 1_700_000_000.0
@@ -103,7 +103,7 @@ def test_label_names_are_configurable_and_values_escaped():
 def test_snapshot_from_canned_results():
     fake = FakePrometheus(healthy_answers())
     s = PrometheusReader(fake).snapshot("demo", "tiny", 300)
-    assert isinstance(s, Snapshot)
+    assert isinstance(s, MetricsSnapshot)
     assert s.time == NOW and s.window_s == 300
     assert (s.kv_usage_mean, s.kv_usage_max) == (0.42, 0.77)
     assert s.preemptions_per_s == 0.25 and s.queue_time_p95_s == 1.5 and s.ttft_p95_s == 0.3

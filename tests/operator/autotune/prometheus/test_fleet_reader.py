@@ -1,4 +1,4 @@
-"""The fleet reader (operator/autotune/prometheus/fleet.py): the same Snapshot as the
+"""The fleet reader (operator/autotune/prometheus/fleet.py): the same MetricsSnapshot as the
 per-deployment reader for every deployment, from one grouped set of queries, over a real
 HTTP server standing in for Prometheus (promql_lite answering /api/v1/query)."""
 from __future__ import annotations

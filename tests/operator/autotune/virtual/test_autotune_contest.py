@@ -19,7 +19,7 @@ from kvpilot.operator.autotune.planner import PlannerSettings, StepModel, fit, p
 from kvpilot.operator.autotune.decision import Bounds, Range, Settings, Thresholds
 from kvpilot.operator.autotune.virtual.promql_lite import TSDB
 from kvpilot.operator.autotune.virtual.rivals import Hpa, WvaSaturation
-from kvpilot.operator.autotune.signals import Snapshot
+from kvpilot.operator.autotune.signals import MetricsSnapshot
 
 
 def test_day_has_the_phases_the_issue_names_and_is_seeded():
@@ -166,7 +166,7 @@ def test_fit_recovers_a_known_deployment_model():
 
 def test_plan_sizes_replicas_to_the_demand_within_the_objective():
     model = StepModel(a=0.006, b=0.0001, c=1e-5, windows=10)
-    s = Snapshot(time=0, window_s=60, generation_tokens_per_s=9000, request_rate_per_s=45,
+    s = MetricsSnapshot(time=0, window_s=60, generation_tokens_per_s=9000, request_rate_per_s=45,
                  prompt_tokens_per_s=36000, num_waiting=0, num_waiting_now=0, tpot_mean_s=0.03,
                  tpot_p95_s=0.03)
     cur = Settings(max_num_seqs=256, max_model_len=32768, replicas=1)
@@ -183,7 +183,7 @@ def test_plan_with_min_replicas_zero_never_plans_zero():
     """Zero is the idle rule's (scale_to_zero.py); the plan's search starts at one (it
     divided the prompt rate by zero replicas before)."""
     model = StepModel(a=0.006, b=0.0001, c=1e-5, windows=10)
-    s = Snapshot(time=0, window_s=60, generation_tokens_per_s=10, request_rate_per_s=0.05,
+    s = MetricsSnapshot(time=0, window_s=60, generation_tokens_per_s=10, request_rate_per_s=0.05,
                  prompt_tokens_per_s=40, num_waiting=0, num_waiting_now=0, tpot_mean_s=0.01,
                  tpot_p95_s=0.01)
     cur = Settings(max_num_seqs=16, max_model_len=512, replicas=1)
@@ -196,7 +196,7 @@ def test_a_flex_only_window_plans_the_widest_batch_and_no_headroom():
     model = StepModel(a=0.006, b=0.0002, c=1e-5, windows=10)
     kv = dict(kv_cache_bytes=200 * 2000 * 131072 / 0.9, kv_bytes_per_token=131072,
               prompt_len_mean=1600.0, generation_len_mean=400.0)  # 200 sequences of 2000 tokens fit
-    s = Snapshot(time=0, window_s=60, generation_tokens_per_s=9600, request_rate_per_s=24,
+    s = MetricsSnapshot(time=0, window_s=60, generation_tokens_per_s=9600, request_rate_per_s=24,
                  prompt_tokens_per_s=38400, num_waiting=0, num_waiting_now=0, tpot_mean_s=0.03,
                  tpot_p95_s=None, flex_share=1.0, **kv)
     cur = Settings(max_num_seqs=256, max_model_len=32768, replicas=1)
@@ -208,7 +208,7 @@ def test_a_flex_only_window_plans_the_widest_batch_and_no_headroom():
     assert p.replicas * per_replica(p.replicas) >= 9600 > (p.replicas - 1) * per_replica(p.replicas - 1)
     assert "service_tier flex" in p.reason and "no TPOT objective" in p.reason
     # The same demand with latency-sensitive requests in it is held to the objective.
-    strict = plan(Snapshot(**{**s.__dict__, "tpot_p95_s": 0.03, "flex_share": 0.5}), cur, bounds, model, t)
+    strict = plan(MetricsSnapshot(**{**s.__dict__, "tpot_p95_s": 0.03, "flex_share": 0.5}), cur, bounds, model, t)
     assert strict.replicas > p.replicas and strict.max_num_seqs < 200
 
 
@@ -243,7 +243,7 @@ PLANNED = Thresholds(tpot_objective_s=0.05, planner=True, cooldown_s=60.0)
 BOUNDS8 = Bounds(Range(1, 1024), Range(1024, 32768), Range(1, 8))
 
 
-def _snap(**kw) -> Snapshot:
+def _snap(**kw) -> MetricsSnapshot:
     base = dict(time=T0, window_s=60.0, kv_usage_mean=0.3, kv_usage_max=0.4, preemptions_per_s=0.0,
                 queue_time_p95_s=0.05, ttft_p95_s=0.2, tpot_p95_s=0.07, tpot_mean_s=0.05,
                 generation_tokens_per_s=5000.0, num_waiting=0.0, num_waiting_now=0.0, num_running=240.0,
@@ -251,7 +251,7 @@ def _snap(**kw) -> Snapshot:
                 request_len_p99=4000.0, length_refusals_per_s=None, kv_cache_bytes=55e9,
                 kv_bytes_per_token=131072.0)
     base.update(kw)
-    return Snapshot(**base)
+    return MetricsSnapshot(**base)
 
 
 def _known_history(n: int = 10) -> History:
@@ -266,7 +266,7 @@ def _known_history(n: int = 10) -> History:
     return h
 
 
-def _decide(s: Snapshot, cur: Settings) -> _Decision:
+def _decide(s: MetricsSnapshot, cur: Settings) -> _Decision:
     history = _known_history().observe(observation(s, cur.replicas))
     return decide(s, cur, BOUNDS8, history, s.time, thresholds=PLANNED)
 
