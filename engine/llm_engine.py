@@ -20,7 +20,7 @@ from .core.sampling_params import SamplingParams
 from .core.scheduler import Scheduler, SchedulerLimits
 from .spec_decode.speculator import check_num_speculative_tokens, make_speculator
 from .core.step_isolation import run_isolating, without
-from .config.validation import positive_int, token_ids
+from .config.validation import LengthError, RequestError, positive_int, token_ids
 
 log = logging.getLogger("kvpilot.engine")
 
@@ -139,26 +139,32 @@ class LLMEngine:
             self.scheduler.limits.max_model_len = max_model_len
 
     # --- requests ----------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids; the one check of a token-id prompt (the server's included)."""
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt must not be empty")
+                raise RequestError("prompt must not be empty", "prompt")
             return self.tokenizer.encode(prompt)
-        return token_ids("prompt token ids", list(prompt), self.runner.vocab_size)
+        try:
+            return token_ids("prompt token ids", list(prompt), self.runner.vocab_size)
+        except ValueError as exc:
+            raise RequestError(str(exc), "prompt") from None
 
-    def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+    def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The one resolution of max_tokens against max_model_len (None: all the room left);
+        LengthError naming both numbers when they do not fit."""
         limit = self.max_model_len
         if params.max_tokens is None:
             if num_prompt_tokens >= limit:
-                raise ValueError(
+                raise LengthError(
                     f"the prompt has {num_prompt_tokens} tokens, which leaves no room under "
-                    f"max_model_len ({limit})"
+                    f"max_model_len ({limit})", "prompt"
                 )
             return limit - num_prompt_tokens
         if num_prompt_tokens + params.max_tokens > limit:
-            raise ValueError(
+            raise LengthError(
                 f"the prompt has {num_prompt_tokens} tokens and max_tokens is {params.max_tokens}: "
-                f"{num_prompt_tokens + params.max_tokens} exceeds max_model_len ({limit})"
+                f"{num_prompt_tokens + params.max_tokens} exceeds max_model_len ({limit})", "max_tokens"
             )
         return params.max_tokens
 
@@ -166,13 +172,16 @@ class LLMEngine:
         self, request_id: str, prompt: str | list[int], params: SamplingParams,
         arrival_time: float | None = None, service_tier: str = "default",
     ) -> None:
-        """Validate and queue a request (n children for n > 1). ValueError on bad input."""
+        """Validate and queue a request (n children for n > 1): the edge where every caller's
+        request (the server's, the offline LLM's, the simulator's) is checked and resolved,
+        once. RequestError (a ValueError naming the field) on bad input."""
         if service_tier not in SERVICE_TIERS:
-            raise ValueError(f"service_tier must be one of {list(SERVICE_TIERS)}, got {service_tier!r}")
-        prompt_ids = self.encode_prompt(prompt)
-        max_tokens = self.resolve_max_tokens(len(prompt_ids), params)
+            raise RequestError(f"service_tier must be one of {list(SERVICE_TIERS)}, got {service_tier!r}",
+                               "service_tier")
+        prompt_ids = self._encode_prompt(prompt)
+        max_tokens = self._resolve_max_tokens(len(prompt_ids), params)
         if self.outputs.has(request_id):
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise RequestError(f"request_id {request_id!r} is already in use", "request_id")
         stop_ids = frozenset(params.stop_token_ids or ()) | (
             frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
         )

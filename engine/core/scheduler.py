@@ -67,8 +67,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
-        if request in self.unfinished:
-            raise ValueError(f"request {request.request_id!r} was added already")
+        """Queue a new request (the engine's add_request checked its id, once)."""
         self.unfinished[request] = None
         self.waiting.append(request)
 
