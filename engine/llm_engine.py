@@ -15,7 +15,7 @@ from .metrics.buckets import SERVICE_TIERS
 from .core.output_processor import OutputProcessor
 from .core.outputs import EngineStats, RequestOutput
 from .config.quantity import format_bytes
-from .core.request import Request, RequestGroup, RequestStatus
+from .core.request import Request, RequestGroup, RequestStatus, RequestTimes, SampleState
 from .core.sampling_params import SamplingParams
 from .core.scheduler import Scheduler, SchedulerLimits
 from .spec_decode.speculator import check_num_speculative_tokens, make_speculator
@@ -192,10 +192,10 @@ class LLMEngine:
             req = Request(
                 request_id=f"{request_id}#{i}", prompt_token_ids=prompt_ids,
                 sampling_params=params, max_tokens=max_tokens, stop_token_ids=stop_ids,
-                seed=base_seed + i, service_tier=service_tier,
-                generator=self.runner.make_generator(params.seed + i) if params.seed is not None else None,
+                seed=base_seed + i, service_tier=service_tier, times=RequestTimes(arrival=arrival),
+                sample=SampleState(generator=self.runner.make_generator(params.seed + i)
+                                   if params.seed is not None else None),
             )
-            req.times.arrival = arrival
             group.children.append(req)
         self.outputs.add(group)
         for req in group.children:
@@ -227,7 +227,7 @@ class LLMEngine:
         scheduled.follows_previous = self._left_work
         result, failed = run_isolating(self.runner.run, scheduled)
         if failed:
-            result = without(result, {req.group for req in failed})
+            result = without(result, {req.out.group for req in failed})
         appended = self.scheduler.update(scheduled, result.requests, result.token_ids)
         if self.speculator is not None:
             self.speculator.record(scheduled, result)
@@ -243,13 +243,13 @@ class LLMEngine:
         """End each failed request's whole group (its other choices too) as aborted, with
         an error saying so; the exception itself stays in the log."""
         outputs = []
-        for group in {req.group.request_id: req.group for req in failed}.values():
-            reason = next(type(e).__name__ for r, e in failed.items() if r.group is group)
+        for group in {req.out.group.request_id: req.out.group for req in failed}.values():
+            reason = next(type(e).__name__ for r, e in failed.items() if r.out.group is group)
             self.abort_request(group.request_id, reason="error")
             outputs.append(RequestOutput(
                 request_id=group.request_id, prompt=group.prompt,
                 prompt_token_ids=group.prompt_token_ids,
-                outputs=[c.completion for c in group.children], finished=True,
+                outputs=[c.out.completion for c in group.children], finished=True,
                 error=f"the engine failed on this request ({reason}); other requests were not affected"))
         return outputs
 
@@ -272,8 +272,8 @@ class LLMEngine:
         if self.latency_sink is not None:  # vLLM's tokens per engine step
             self.latency_sink.record_iteration_tokens(prefilled + generated)
         if len(ok) < len(progressed):
-            dropped = {req.group for req in failed}
-            ok = [req for req in ok if req.group not in dropped]
+            dropped = {req.out.group for req in failed}
+            ok = [req for req in ok if req.out.group not in dropped]
         return self.outputs.collect(ok)
 
     def _emit_one(self, req: Request, num_new: int, logprobs, now: float) -> tuple[int, int]:
@@ -297,11 +297,7 @@ class LLMEngine:
         times.last_token = now
         stop, emitted = self.outputs.on_new_tokens(req, num_new, logprobs)
         if stop is not None:
-            req.stop_reason = stop
-            if not req.status.finished:
-                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-            elif emitted < num_new:  # it had ended on a later token, which is gone
-                req.status = RequestStatus.FINISHED_STOPPED
+            self.scheduler.stop(req, stop, num_dropped=num_new - emitted)
         if req.status.finished:
             self.outputs.on_finished(req)
             if sink is not None:

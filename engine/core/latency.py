@@ -80,7 +80,7 @@ def finished_record(req: Request, reason: str) -> FinishedRequest:
 
 
 def _group_summary(req: Request) -> GroupSummary | None:
-    group = req.group
+    group = req.out.group
     if group is None or group.summary_recorded or not group.finished:
         return None
     group.summary_recorded = True  # choices finishing in one step must not report it twice
