@@ -187,16 +187,17 @@ class LLMEngine:
         )
         arrival = arrival_time if arrival_time is not None else self.clock.now()
         base_seed = params.seed if params.seed is not None else _prompt_seed(prompt_ids, self.config.seed)
-        group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, prompt_ids)
-        for i in range(params.n):
-            req = Request(
+        children = [
+            Request(
                 request_id=f"{request_id}#{i}", prompt_token_ids=prompt_ids,
                 sampling_params=params, max_tokens=max_tokens, stop_token_ids=stop_ids,
                 seed=base_seed + i, service_tier=service_tier, times=RequestTimes(arrival=arrival),
                 sample=SampleState(generator=self.runner.make_generator(params.seed + i)
                                    if params.seed is not None else None),
             )
-            group.children.append(req)
+            for i in range(params.n)
+        ]
+        group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, children)
         self.outputs.add(group)
         for req in group.children:
             self.scheduler.add_request(req)
@@ -212,7 +213,7 @@ class LLMEngine:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
                 self.outputs.on_finished(req)
                 if self.latency_sink is not None:
-                    self.latency_sink.record_finished(finished_record(req, reason))
+                    self.latency_sink.record_finished(finished_record(req, reason, self.outputs.group_summary(req)))
         self.outputs.drop(group)
 
     def has_unfinished_requests(self) -> bool:
@@ -301,7 +302,7 @@ class LLMEngine:
         if req.status.finished:
             self.outputs.on_finished(req)
             if sink is not None:
-                sink.record_finished(finished_record(req, req.status.value))
+                sink.record_finished(finished_record(req, req.status.value, self.outputs.group_summary(req)))
         return prefilled, emitted
 
     def stats(self) -> EngineStats:

@@ -4,6 +4,7 @@ one RequestOutput per user request."""
 from __future__ import annotations
 
 from .detokenizer import IncrementalDetokenizer
+from .latency import GroupSummary
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from .request import Request, RequestGroup, RequestStatus
 from .tokenizer import Tokenizer
@@ -35,6 +36,17 @@ class OutputProcessor:
                 child.out.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, group.prompt_token_ids, params.skip_special_tokens)
         self._groups[group.request_id] = group
+
+    @staticmethod
+    def group_summary(req: Request) -> GroupSummary | None:
+        """The user request's n and longest output, once: for the last of its choices to
+        finish (None for the others, and for choices finishing after it in one step)."""
+        group = req.out.group
+        if group is None or group.summary_recorded or not group.finished:
+            return None
+        group.summary_recorded = True
+        return GroupSummary(n=len(group.children),
+                            max_num_generation_tokens=max(len(c.output_token_ids) for c in group.children))
 
     def drop(self, group: RequestGroup) -> None:
         self._groups.pop(group.request_id, None)

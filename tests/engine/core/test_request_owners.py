@@ -1,6 +1,7 @@
 """Request state by layer, checked structurally: each layer's per-request state object
-(`req.kv`, `req.row`, `req.sample`, `req.spec`, `req.out`) and the scheduler's own fields
-of a Request are written only by the modules that own them. The scan reads every engine
+(`req.kv`, `req.row`, `req.sample`, `req.spec`, `req.out`), the scheduler's own fields of
+a Request, its timestamps and its user request (RequestGroup) are written only by the
+modules that own them. The scan reads every engine
 module's AST for assignments, augmented assignments, `del` and mutating calls (append,
 extend, ...) whose target is such a field; a write through a local alias (`ids =
 req.kv.block_ids; ids.append(...)`) is not seen, so owners read them through the state."""
@@ -14,10 +15,13 @@ from pathlib import Path
 import pytest
 
 import kvpilot.engine
-from kvpilot.engine.core.request import KVState, OutputState, RowState, SampleState, SpecState
+from kvpilot.engine.core.request import (
+    KVState, OutputState, RequestGroup, RequestTimes, RowState, SampleState, SpecState,
+)
 
 ENGINE = Path(kvpilot.engine.__file__).parent
-STATES = {"kv": KVState, "row": RowState, "sample": SampleState, "spec": SpecState, "out": OutputState}
+STATES = {"kv": KVState, "row": RowState, "sample": SampleState, "spec": SpecState, "out": OutputState,
+          "times": RequestTimes, "group": RequestGroup}
 FIELDS = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in STATES.items()}
 # The scheduler's fields of the Request itself (the rest are fixed at add_request).
 SCHEDULER_FIELDS = {"status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
@@ -30,8 +34,20 @@ OWNERS = {
     "sample": {"sample/sampler.py"},
     "spec": {"spec_decode/speculator.py", "worker/draft_model.py"},
     "out": {"core/output_processor.py"},
+    "group": {"core/output_processor.py"},  # built whole at add_request
     "request": {"core/scheduler.py", "core/request.py"},
+    # Timestamps: the scheduler's admission and end; the engine's step stamps tokens as it
+    # emits them; arrival is set when the request is made.
+    "times": set(),
+    "times.first_scheduled": {"core/scheduler.py"},
+    "times.finished": {"core/scheduler.py"},
+    "times.first_token": {"llm_engine.py"},
+    "times.last_token": {"llm_engine.py"},
 }
+
+
+def _owners(key: str) -> set[str]:
+    return OWNERS.get(key, OWNERS[key.split(".")[0]])
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "update", "sort", "reverse",
             "popleft", "appendleft"}
 
@@ -109,7 +125,7 @@ def _engine_writes() -> dict[str, set[str]]:
 
 def test_each_layer_state_is_written_by_its_owner_only():
     foreign = sorted(f"{module} writes {key}" for module, keys in _engine_writes().items()
-                     for key in keys if module not in OWNERS[key.split(".")[0]])
+                     for key in keys if module not in _owners(key))
     assert not foreign, "a layer writes another's request state:\n" + "\n".join(foreign)
 
 
@@ -121,7 +137,10 @@ def test_the_scan_sees_each_owner_write_its_state():
     assert "sample.penalty_counts" in found["sample/sampler.py"]
     assert {"spec.token_ids", "spec.draft_num_computed"} <= found["spec_decode/speculator.py"]
     assert {"spec.token_ids", "spec.draft_probs", "spec.draft_num_computed"} <= found["worker/draft_model.py"]
-    assert {"out.group", "out.completion", "out.detokenizer"} <= found["core/output_processor.py"]
+    assert {"out.group", "out.completion", "out.detokenizer", "group.first_token_seen",
+            "group.summary_recorded"} <= found["core/output_processor.py"]
+    assert {"times.first_scheduled", "times.finished"} <= found["core/scheduler.py"]
+    assert {"times.first_token", "times.last_token"} <= found["llm_engine.py"]
     assert {"request.status", "request.num_computed_tokens", "request.num_preemptions",
             "request.stop_reason"} <= found["core/scheduler.py"]
     assert {"request.output_token_ids", "request.stop_reason"} <= found["core/request.py"]
@@ -135,6 +154,8 @@ def test_the_scan_sees_each_owner_write_its_state():
     ("item.request.spec.token_ids = []", "spec.token_ids"),
     ("r.sample.penalty_counts.update([1])", "sample.penalty_counts"),
     ("child.out = None", "out"),
+    ("req.out.group.children.append(req)", "group.children"),
+    ("req.times.first_token = 1.0", "times.first_token"),
     ("req.status = 'x'", "request.status"),
     ("request.num_computed_tokens += 1", "request.num_computed_tokens"),
 ])
