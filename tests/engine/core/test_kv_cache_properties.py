@@ -207,3 +207,16 @@ def test_a_freed_request_gets_its_block_table_rewritten_and_tables_grow_intact()
     b.kv.block_ids.append(9)  # a decode that fills a block appends one id
     tables.sync(b)
     assert tables.table[row_b, :2].tolist() == [3, 9]
+
+
+def test_a_trimmed_block_table_row_is_rewritten_past_what_the_trim_kept():
+    """The KV cache manager never writes the executor's row state: a trim bumps its own
+    version, and the next sync rewrites the row from the blocks the trim kept."""
+    kv, tables = KVCacheManager(8, BLOCK, False), BlockTables(rows=1, blocks_per_row=1)
+    a, b = _request("a", [1] * 5, 20), _request("b", [2], 20)
+    assert kv.allocate_slots(a, 5 + 4) is not None  # 5 tokens and 4 drafts: 3 blocks
+    row = tables.sync(a)
+    kv.trim(a)  # all drafts rejected: back to 2 blocks
+    kv.allocate_slots(b, 1)  # another request takes the freed block ...
+    assert kv.allocate_slots(a, 5 + 4) is not None  # ... so a's third block is a new one
+    assert tables.sync(a) == row and tables.table[row, :3].tolist() == a.kv.block_ids
