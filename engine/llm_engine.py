@@ -15,12 +15,12 @@ from .metrics.buckets import SERVICE_TIERS
 from .core.output_processor import OutputProcessor
 from .core.outputs import EngineStats, RequestOutput
 from .config.quantity import format_bytes
-from .core.request import Request, RequestGroup, RequestStatus
+from .core.request import Request, RequestGroup, RequestStatus, RequestTimes, SampleState
 from .core.sampling_params import SamplingParams
 from .core.scheduler import Scheduler, SchedulerLimits
 from .spec_decode.speculator import check_num_speculative_tokens, make_speculator
 from .core.step_isolation import run_isolating, without
-from .config.validation import positive_int, token_ids
+from .config.validation import LengthError, RequestError, positive_int, token_ids
 
 log = logging.getLogger("kvpilot.engine")
 
@@ -158,26 +158,32 @@ class LLMEngine:
             self.scheduler.limits.max_num_batched_tokens = max_num_batched_tokens
 
     # --- requests ----------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids; the one check of a token-id prompt (the server's included)."""
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt must not be empty")
+                raise RequestError("prompt must not be empty", "prompt")
             return self.tokenizer.encode(prompt)
-        return token_ids("prompt token ids", list(prompt), self.runner.vocab_size)
+        try:
+            return token_ids("prompt token ids", list(prompt), self.runner.vocab_size)
+        except ValueError as exc:
+            raise RequestError(str(exc), "prompt") from None
 
-    def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+    def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The one resolution of max_tokens against max_model_len (None: all the room left);
+        LengthError naming both numbers when they do not fit."""
         limit = self.max_model_len
         if params.max_tokens is None:
             if num_prompt_tokens >= limit:
-                raise ValueError(
+                raise LengthError(
                     f"the prompt has {num_prompt_tokens} tokens, which leaves no room under "
-                    f"max_model_len ({limit})"
+                    f"max_model_len ({limit})", "prompt"
                 )
             return limit - num_prompt_tokens
         if num_prompt_tokens + params.max_tokens > limit:
-            raise ValueError(
+            raise LengthError(
                 f"the prompt has {num_prompt_tokens} tokens and max_tokens is {params.max_tokens}: "
-                f"{num_prompt_tokens + params.max_tokens} exceeds max_model_len ({limit})"
+                f"{num_prompt_tokens + params.max_tokens} exceeds max_model_len ({limit})", "max_tokens"
             )
         return params.max_tokens
 
@@ -185,28 +191,32 @@ class LLMEngine:
         self, request_id: str, prompt: str | list[int], params: SamplingParams,
         arrival_time: float | None = None, service_tier: str = "default",
     ) -> None:
-        """Validate and queue a request (n children for n > 1). ValueError on bad input."""
+        """Validate and queue a request (n children for n > 1): the edge where every caller's
+        request (the server's, the offline LLM's, the simulator's) is checked and resolved,
+        once. RequestError (a ValueError naming the field) on bad input."""
         if service_tier not in SERVICE_TIERS:
-            raise ValueError(f"service_tier must be one of {list(SERVICE_TIERS)}, got {service_tier!r}")
-        prompt_ids = self.encode_prompt(prompt)
-        max_tokens = self.resolve_max_tokens(len(prompt_ids), params)
+            raise RequestError(f"service_tier must be one of {list(SERVICE_TIERS)}, got {service_tier!r}",
+                               "service_tier")
+        prompt_ids = self._encode_prompt(prompt)
+        max_tokens = self._resolve_max_tokens(len(prompt_ids), params)
         if self.outputs.has(request_id):
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise RequestError(f"request_id {request_id!r} is already in use", "request_id")
         stop_ids = frozenset(params.stop_token_ids or ()) | (
             frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
         )
         arrival = arrival_time if arrival_time is not None else self.clock.now()
         base_seed = params.seed if params.seed is not None else _prompt_seed(prompt_ids, self.config.seed)
-        group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, prompt_ids)
-        for i in range(params.n):
-            req = Request(
+        children = [
+            Request(
                 request_id=f"{request_id}#{i}", prompt_token_ids=prompt_ids,
                 sampling_params=params, max_tokens=max_tokens, stop_token_ids=stop_ids,
-                seed=base_seed + i, service_tier=service_tier,
-                generator=self.runner.make_generator(params.seed + i) if params.seed is not None else None,
+                seed=base_seed + i, service_tier=service_tier, times=RequestTimes(arrival=arrival),
+                sample=SampleState(generator=self.runner.make_generator(params.seed + i)
+                                   if params.seed is not None else None),
             )
-            req.times.arrival = arrival
-            group.children.append(req)
+            for i in range(params.n)
+        ]
+        group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, children)
         self.outputs.add(group)
         for req in group.children:
             self.scheduler.add_request(req)
@@ -222,7 +232,7 @@ class LLMEngine:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
                 self.outputs.on_finished(req)
                 if self.latency_sink is not None:
-                    self.latency_sink.record_finished(finished_record(req, reason))
+                    self.latency_sink.record_finished(finished_record(req, reason, self.outputs.group_summary(req)))
         self.outputs.drop(group)
 
     def has_unfinished_requests(self) -> bool:
@@ -237,7 +247,7 @@ class LLMEngine:
         scheduled.follows_previous = self._left_work
         result, failed = run_isolating(self.runner.run, scheduled)
         if failed:
-            result = without(result, {req.group for req in failed})
+            result = without(result, {req.out.group for req in failed})
         appended = self.scheduler.update(scheduled, result.requests, result.token_ids)
         if self.speculator is not None:
             self.speculator.record(scheduled, result)
@@ -253,13 +263,13 @@ class LLMEngine:
         """End each failed request's whole group (its other choices too) as aborted, with
         an error saying so; the exception itself stays in the log."""
         outputs = []
-        for group in {req.group.request_id: req.group for req in failed}.values():
-            reason = next(type(e).__name__ for r, e in failed.items() if r.group is group)
+        for group in {req.out.group.request_id: req.out.group for req in failed}.values():
+            reason = next(type(e).__name__ for r, e in failed.items() if r.out.group is group)
             self.abort_request(group.request_id, reason="error")
             outputs.append(RequestOutput(
                 request_id=group.request_id, prompt=group.prompt,
                 prompt_token_ids=group.prompt_token_ids,
-                outputs=[c.completion for c in group.children], finished=True,
+                outputs=[c.out.completion for c in group.children], finished=True,
                 error=f"the engine failed on this request ({reason}); other requests were not affected"))
         return outputs
 
@@ -282,8 +292,8 @@ class LLMEngine:
         if self.latency_sink is not None:  # vLLM's tokens per engine step
             self.latency_sink.record_iteration_tokens(prefilled + generated)
         if len(ok) < len(progressed):
-            dropped = {req.group for req in failed}
-            ok = [req for req in ok if req.group not in dropped]
+            dropped = {req.out.group for req in failed}
+            ok = [req for req in ok if req.out.group not in dropped]
         return self.outputs.collect(ok)
 
     def _emit_one(self, req: Request, num_new: int, logprobs, now: float) -> tuple[int, int]:
@@ -307,15 +317,11 @@ class LLMEngine:
         times.last_token = now
         stop, emitted = self.outputs.on_new_tokens(req, num_new, logprobs)
         if stop is not None:
-            req.stop_reason = stop
-            if not req.status.finished:
-                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-            elif emitted < num_new:  # it had ended on a later token, which is gone
-                req.status = RequestStatus.FINISHED_STOPPED
+            self.scheduler.stop(req, stop, num_dropped=num_new - emitted)
         if req.status.finished:
             self.outputs.on_finished(req)
             if sink is not None:
-                sink.record_finished(finished_record(req, req.status.value))
+                sink.record_finished(finished_record(req, req.status.value, self.outputs.group_summary(req)))
         return prefilled, emitted
 
     def stats(self) -> EngineStats:

@@ -22,3 +22,18 @@ def token_ids(name: str, ids: list, vocab_size: int) -> list[int]:
         bad = next(t for t in ids if type(t) is not int or not 0 <= t < vocab_size)
         raise ValueError(f"{name} must be integers in [0, {vocab_size}), got {bad!r}")
     return ids
+
+
+class RequestError(ValueError):
+    """A request the engine refuses at its edge (add_request); `param` names the field the
+    client sent (prompt, max_tokens, service_tier, request_id), so the server reports it
+    without checking again."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class LengthError(RequestError):
+    """The prompt and max_tokens do not fit max_model_len: the refusal the autotuner reads
+    (kvpilot:request_length_refusals_total) as the signal to raise max_model_len."""

@@ -56,7 +56,7 @@ class Executor(Protocol):
         """A per-request random generator for a seeded request (None if not needed)."""
 
     def run(self, out: SchedulerOutput) -> StepResult:
-        """Run one step; each scheduled request's block table is `request.block_ids`."""
+        """Run one step; each scheduled request's block table is `request.kv.block_ids`."""
 
     def failure(self) -> str | None:
         """Why the executor can no longer run steps (a tensor-parallel rank died), or None."""

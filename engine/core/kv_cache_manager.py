@@ -17,7 +17,8 @@ class PrefixCacheStats:
 class KVCacheManager:
     """The narrow boundary between scheduler and KV memory: find a cached prefix,
     allocate slots for new tokens (or say None), free a request. A request's block table
-    lives on the request (`block_ids`, appended as blocks are allocated)."""
+    is its `kv` state (`kv.block_ids`, appended as blocks are allocated), which only this
+    class writes."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         self.block_size = block_size
@@ -36,7 +37,7 @@ class KVCacheManager:
 
     def _update_hashes(self, request: Request, num_tokens: int) -> None:
         bs = self.block_size
-        hashes = request.block_hashes
+        hashes = request.kv.block_hashes
         while (len(hashes) + 1) * bs <= num_tokens:
             i = len(hashes)
             parent = hashes[-1] if hashes else ROOT_HASH
@@ -50,7 +51,7 @@ class KVCacheManager:
         self._update_hashes(request, request.num_tokens)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hit: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
+        for block_hash in request.kv.block_hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
@@ -72,7 +73,7 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens after the computed ones (plus any
         prefix-hit blocks, which must not be held by the request yet). None: no room."""
         bs = self.block_size
-        held = request.block_ids
+        held = request.kv.block_ids
         if computed_blocks:
             total = request.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
             needed = -(-total // bs) - len(held) - len(computed_blocks)
@@ -93,7 +94,7 @@ class KVCacheManager:
             held.extend([b.block_id for b in new])
         # Draft tokens (past num_tokens) are not the request's: their blocks stay unhashed.
         cacheable = min(total, request.num_tokens)
-        if self.enable_prefix_caching and cacheable // bs > request.num_hashed_blocks:
+        if self.enable_prefix_caching and cacheable // bs > request.kv.num_hashed_blocks:
             self._cache_full_blocks(request, cacheable)
         return new
 
@@ -102,36 +103,37 @@ class KVCacheManager:
         # within one forward pass each layer writes K/V before any attention reads it.
         self._update_hashes(request, num_tokens)
         blocks = self.pool.blocks
-        start = request.num_hashed_blocks
-        full = min(num_tokens // self.block_size, len(request.block_hashes))
+        start = request.kv.num_hashed_blocks
+        full = min(num_tokens // self.block_size, len(request.kv.block_hashes))
         for i in range(start, full):
-            self.pool.cache(blocks[request.block_ids[i]], request.block_hashes[i])
-        request.num_hashed_blocks = max(start, full)
+            self.pool.cache(blocks[request.kv.block_ids[i]], request.kv.block_hashes[i])
+        request.kv.num_hashed_blocks = max(start, full)
 
     def reserve_lookahead(self, request: Request, num_tokens: int) -> bool:
         """Blocks for `num_tokens` slots after the computed tokens, ahead of the step that
         computes them (a draft model writes its KV there first); False when there is no
         room. Nothing is hashed: those tokens are not computed yet."""
-        needed = -(-(request.num_computed_tokens + num_tokens) // self.block_size) - len(request.block_ids)
+        needed = -(-(request.num_computed_tokens + num_tokens) // self.block_size) - len(request.kv.block_ids)
         if needed > self.pool.num_free_blocks:
             return False
         if needed > 0:
-            request.block_ids.extend(b.block_id for b in self.pool.take(needed))
+            request.kv.block_ids.extend(b.block_id for b in self.pool.take(needed))
         return True
 
     def trim(self, request: Request) -> None:
         """Release the blocks past the request's tokens (ones that held only rejected
         draft tokens' KV): speculation's rollback. Those blocks were never hashed."""
         keep = -(-request.num_tokens // self.block_size)
-        ids = request.block_ids
+        ids = request.kv.block_ids
         if len(ids) > keep:
             blocks = self.pool.blocks
             dropped = ids[keep:]
             del ids[keep:]
-            request.num_table_blocks = min(request.num_table_blocks, keep)
+            request.kv.version, request.kv.kept = request.kv.version + 1, keep  # copies rewrite from here
             self.pool.release([blocks[i] for i in reversed(dropped)])
 
     def free(self, request: Request) -> None:
-        ids, blocks = request.block_ids, self.pool.blocks
-        request.block_ids, request.num_hashed_blocks = [], 0
+        kv, blocks = request.kv, self.pool.blocks
+        ids = kv.block_ids
+        kv.block_ids, kv.num_hashed_blocks, kv.version, kv.kept = [], 0, kv.version + 1, 0
         self.pool.release([blocks[i] for i in reversed(ids)])

@@ -54,9 +54,10 @@ def _span(start: float | None, end: float | None) -> float | None:
     return end - start if start is not None and end is not None else None
 
 
-def finished_record(req: Request, reason: str) -> FinishedRequest:
+def finished_record(req: Request, reason: str, group: GroupSummary | None = None) -> FinishedRequest:
     """A finished sequence's histogram values, from its own timestamps (and, for the last
-    choice of its request to finish, the request's n and longest output)."""
+    choice of its request to finish, `group`: the request's n and longest output, from
+    the output processor's group_summary)."""
     t = req.times
     n = len(req.output_token_ids)
     tpot = None
@@ -75,14 +76,5 @@ def finished_record(req: Request, reason: str) -> FinishedRequest:
         decode_time=_span(t.first_token, t.last_token),
         inference_time=_span(t.first_scheduled, t.last_token),
         num_preemptions=req.num_preemptions, num_cached_tokens=req.num_cached_tokens or 0,
-        max_tokens_param=req.sampling_params.max_tokens, group=_group_summary(req),
+        max_tokens_param=req.sampling_params.max_tokens, group=group,
     )
-
-
-def _group_summary(req: Request) -> GroupSummary | None:
-    group = req.group
-    if group is None or group.summary_recorded or not group.finished:
-        return None
-    group.summary_recorded = True  # choices finishing in one step must not report it twice
-    return GroupSummary(n=len(group.children),
-                        max_num_generation_tokens=max(len(c.output_token_ids) for c in group.children))

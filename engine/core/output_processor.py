@@ -4,14 +4,15 @@ one RequestOutput per user request."""
 from __future__ import annotations
 
 from .detokenizer import IncrementalDetokenizer
+from .latency import GroupSummary
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from .request import Request, RequestGroup, RequestStatus
 from .tokenizer import Tokenizer
 
 
 class OutputProcessor:
-    """Builds each choice's CompletionOutput on its Request (`req.completion`,
-    `req.detokenizer`) and reports user requests (`RequestGroup`s) as RequestOutputs."""
+    """Builds each choice's CompletionOutput on its Request (`req.out`: its
+    `completion` and `detokenizer`) and reports user requests (`RequestGroup`s) as RequestOutputs."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -26,15 +27,26 @@ class OutputProcessor:
     def add(self, group: RequestGroup) -> None:
         params = group.children[0].sampling_params
         for i, child in enumerate(group.children):
-            child.group, child.index = group, i
-            child.completion = CompletionOutput(
+            child.out.group, child.out.index = group, i
+            child.out.completion = CompletionOutput(
                 index=i, text="", token_ids=[],
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None)
             if params.detokenize:
-                child.detokenizer = IncrementalDetokenizer(
+                child.out.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, group.prompt_token_ids, params.skip_special_tokens)
         self._groups[group.request_id] = group
+
+    @staticmethod
+    def group_summary(req: Request) -> GroupSummary | None:
+        """The user request's n and longest output, once: for the last of its choices to
+        finish (None for the others, and for choices finishing after it in one step)."""
+        group = req.out.group
+        if group is None or group.summary_recorded or not group.finished:
+            return None
+        group.summary_recorded = True
+        return GroupSummary(n=len(group.children),
+                            max_num_generation_tokens=max(len(c.output_token_ids) for c in group.children))
 
     def drop(self, group: RequestGroup) -> None:
         self._groups.pop(group.request_id, None)
@@ -42,21 +54,20 @@ class OutputProcessor:
     @staticmethod
     def first_token_of_group(req: Request) -> bool:
         """True once per user request: when any of its n choices gets its first token."""
-        group = req.group
+        group = req.out.group
         seen, group.first_token_seen = group.first_token_seen, True
         return not seen
 
     def on_new_tokens(self, req: Request, num_new: int,
                       logprobs: list[TokenLogprob] | None) -> tuple[str | None, int]:
         """Record the request's `num_new` newest tokens in order (one, or with speculation
-        several); at a stop string, drop the request's tokens after it. Returns the stop
-        string (or None) and the tokens kept."""
+        several); at a stop string, stop there (the scheduler drops the request's tokens
+        after it). Returns the stop string (or None) and the tokens kept."""
         first = len(req.output_token_ids) - num_new
         for j in range(num_new):
             stop = self.on_token(req, req.output_token_ids[first + j],
                                  logprobs[j] if logprobs is not None else None, last=j == num_new - 1)
             if stop is not None:
-                del req.output_token_ids[first + j + 1:]  # accepted drafts past the stop string
                 return stop, j + 1
         return None, num_new
 
@@ -64,14 +75,14 @@ class OutputProcessor:
     def on_token(req: Request, token: int, logprob: TokenLogprob | None, last: bool = True) -> str | None:
         """Record one of the request's new tokens (in order; `last`: the newest, which a
         stop token ends); return the stop string it completed, if any."""
-        out = req.completion
+        out = req.out.completion
         out.token_ids.append(token)
         params = req.sampling_params
         if logprob is not None and out.logprobs is not None:
             logprob.top = logprob.top[: params.logprobs]
             out.logprobs.append(logprob)
             out.cumulative_logprob += logprob.logprob
-        detok = req.detokenizer
+        detok = req.out.detokenizer
         if detok is None:
             return None
         ended_by_stop_token = (last and req.status is RequestStatus.FINISHED_STOPPED
@@ -99,10 +110,10 @@ class OutputProcessor:
 
     @staticmethod
     def on_finished(req: Request) -> None:
-        out = req.completion
+        out = req.out.completion
         if out.finish_reason == "stop" and isinstance(out.stop_reason, str):
             return  # text already cut at the stop string
-        detok = req.detokenizer
+        detok = req.out.detokenizer
         if detok is None:
             out.finish_reason, out.stop_reason = req.status.value, req.stop_reason
             return
@@ -115,7 +126,7 @@ class OutputProcessor:
         results = []
         seen: set[RequestGroup] = set()
         for req in progressed:
-            group = req.group
+            group = req.out.group
             if len(group.children) > 1:
                 if group in seen:
                     continue  # one output per user request and step
@@ -128,7 +139,7 @@ class OutputProcessor:
             results.append(RequestOutput(
                 request_id=group.request_id, prompt=group.prompt,
                 prompt_token_ids=group.prompt_token_ids,
-                outputs=[c.completion for c in group.children],
+                outputs=[c.out.completion for c in group.children],
                 finished=finished, metrics=_metrics(group.children),
             ))
             if finished:

@@ -67,8 +67,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
-        if request in self.unfinished:
-            raise ValueError(f"request {request.request_id!r} was added already")
+        """Queue a new request (the engine's add_request checked its id, once)."""
         self.unfinished[request] = None
         self.waiting.append(request)
 
@@ -89,10 +88,9 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            spec = request.spec_token_ids
+            spec = request.spec.token_ids  # the speculator drops them after the step (record)
             if spec:
                 # Drafts ride with a decode; the budget cuts drafts, never the real token.
-                request.spec_token_ids = []
                 spec = spec[:max(0, budget - num_new)] if num_new == 1 else []
                 num_new += len(spec)
             if num_new > budget:
@@ -139,11 +137,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: drop its KV blocks and queue it first in line."""
         self.kv_cache.free(request)
-        self._freed.append(request)
-        request.spec_token_ids, request.spec_draft_probs = [], None
-        # Its draft KV goes with its blocks: back in, it may hit cached blocks that some
-        # other request's target computed but whose draft KV nobody wrote.
-        request.num_computed_tokens = request.draft_num_computed = 0
+        self._freed.append(request)  # the speculator drops its drafts and draft KV count there
+        request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -192,6 +187,18 @@ class Scheduler:
         self.kv_cache.free(request)
         self.unfinished.pop(request, None)
         self._freed.append(request)
+
+    def stop(self, request: Request, stop_reason: str, *, num_dropped: int) -> None:
+        """End a request on a stop string the output processor found in its text, dropping
+        its `num_dropped` newest tokens (accepted drafts past the stop string). If it had
+        already ended (length, a stop token) on one of those, it ends as stopped instead."""
+        if num_dropped:
+            del request.output_token_ids[-num_dropped:]
+        request.stop_reason = stop_reason
+        if not request.status.finished:
+            self.finish(request, RequestStatus.FINISHED_STOPPED)
+        elif num_dropped:
+            request.status = RequestStatus.FINISHED_STOPPED
 
     def abort(self, request: Request) -> None:
         self.finish(request, RequestStatus.FINISHED_ABORTED)

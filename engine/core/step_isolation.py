@@ -55,7 +55,7 @@ def merge_results(results: list[StepResult]) -> StepResult:
 
 def without(result: StepResult, dropped: set) -> StepResult:
     """The result less the rows of requests whose group is in `dropped`."""
-    keep = [i for i, r in enumerate(result.requests) if r.group not in dropped]
+    keep = [i for i, r in enumerate(result.requests) if r.out.group not in dropped]
     if len(keep) == len(result.requests):
         return result
     return StepResult([result.requests[i] for i in keep], [result.token_ids[i] for i in keep],

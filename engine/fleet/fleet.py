@@ -20,7 +20,7 @@ from ..llm_engine import LLMEngine
 from ..core.sampling_params import SamplingParams
 from .replica_metrics import ReplicaMetrics, Sample
 from .trace import TraceRequest
-from ..config.validation import positive_int
+from ..config.validation import LengthError, positive_int
 
 ROUTERS = ("round-robin", "least-loaded")
 
@@ -102,18 +102,12 @@ class Replica:
             self.clock.sleep_until(now)  # an idle replica starts the request on arrival
         params = SamplingParams(max_tokens=req.output_len, ignore_eos=req.ignore_eos,
                                 temperature=0.0, detokenize=False, output_kind="final_only")
-        try:
-            # As the server does: the length check first (a refusal the autotuner reads),
-            # then the engine's own validation.
-            self.engine.resolve_max_tokens(req.prompt_len, params)
-        except ValueError as exc:
-            self.metrics.length_refusals += 1
-            self._refuse(sim, str(exc), now)
-            return
-        try:
+        try:  # the engine's edge checks and resolves it once; a length refusal the autotuner reads
             self.engine.add_request(rid, req.token_ids(sim.index, vocab), params, arrival_time=now,
                                     service_tier=req.service_tier)
         except ValueError as exc:
+            if isinstance(exc, LengthError):
+                self.metrics.length_refusals += 1
             self._refuse(sim, str(exc), now)
             return
         self.live[rid] = sim

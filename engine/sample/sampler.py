@@ -49,7 +49,7 @@ class SamplingBatch:
             top_k=col(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None,
             top_p=col([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None,
             min_p=col([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
-            generators=[r.generator for r in requests],
+            generators=[r.sample.generator for r in requests],
             all_greedy=all(p.greedy for p in params),
             max_logprobs=max((p.logprobs or 0) for p in params) if any(
                 p.logprobs is not None for p in params) else None,
@@ -62,10 +62,10 @@ class SamplingBatch:
             rows = []
             for r in requests:
                 if r.sampling_params.has_penalties:
-                    if r.penalty_counts is None:
-                        r.penalty_counts = PenaltyCounts.of_prompt(r.prompt_token_ids, vocab_size, device)
-                    r.penalty_counts.update(r.output_token_ids)
-                    rows.append(r.penalty_counts)
+                    if r.sample.penalty_counts is None:
+                        r.sample.penalty_counts = PenaltyCounts.of_prompt(r.prompt_token_ids, vocab_size, device)
+                    r.sample.penalty_counts.update(r.output_token_ids)
+                    rows.append(r.sample.penalty_counts)
                 else:
                     if none is None:
                         none = PenaltyCounts.of_prompt([], vocab_size, device)

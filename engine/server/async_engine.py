@@ -104,10 +104,6 @@ class AsyncEngine:
             values["num_speculative_tokens"] = self.engine.num_speculative_tokens
         return values
 
-    def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """The engine's own length check (ValueError naming both numbers), before queueing."""
-        return self.engine.resolve_max_tokens(num_prompt_tokens, params)
-
     @property
     def num_active(self) -> int:
         """Requests admitted by the server and not yet released by their handler."""
@@ -127,7 +123,9 @@ class AsyncEngine:
         published, since = self._waiting
         return published + since + self._pending_adds
 
-    def unique_request_id(self, wanted: str | None) -> str:
+    def _unique_request_id(self, wanted: str | None) -> str:
+        """The client's id (x-request-id) when no live request has it, else made unique: the
+        server's one resolution of ids; the engine's add_request is their one check."""
         if not wanted:
             return uuid.uuid4().hex
         rid = wanted
@@ -136,11 +134,11 @@ class AsyncEngine:
         return rid
 
     # --- loop side -------------------------------------------------------------------
-    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+    async def add(self, wanted_id: str | None, prompt_ids: list[int], params: SamplingParams,
                   arrival_time: float | None = None, service_tier: str = "default") -> RequestStream:
-        """Queue a request; ValueError (from the engine's validation) if it is refused."""
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        """Queue a request under `wanted_id` (made unique among live requests; None: a fresh
+        one); RequestError (from the engine's validation at add_request) if it is refused."""
+        request_id = self._unique_request_id(wanted_id)  # no await before the stream is in
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         stream = RequestStream(request_id, self._release, params.n)
         self._streams[request_id] = stream
@@ -150,7 +148,8 @@ class AsyncEngine:
         try:
             await asyncio.wrap_future(fut)
         except BaseException:
-            self._streams.pop(request_id, None)
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
             if not fut.cancelled() and (not fut.done() or fut.exception() is None):
                 self.abort(request_id)  # cancelled after the engine took it: drop it again
             raise

@@ -12,7 +12,7 @@ from ..core.sampling_params import MAX_LOGPROBS
 from .errors import APIError
 from .protocol import ChatCompletionRequest, ChatMessage
 from .serving_common import (
-    DeltaTracker, Reply, ServerState, admit, build_params, check_length, check_model,
+    DeltaTracker, Reply, ServerState, admit, build_params, check_model,
 )
 
 
@@ -67,8 +67,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = build_params(body, max_tokens=max_tokens, logprobs=top_k if body.logprobs else None)
     prompt_ids = await chat_prompt_ids(state, body.messages, body.add_generation_prompt)
-    check_length(state, len(prompt_ids), params, max_tokens_field)
-    stream = await admit(state, request, prompt_ids, params, arrival, body.engine_tier)
+    stream = await admit(state, request, prompt_ids, params, arrival, body.engine_tier, max_tokens_field)
     reply = Reply(request, stream, id_prefix="chatcmpl",
                   object="chat.completion.chunk" if body.stream else "chat.completion", model=model,
                   num_prompt_tokens=len(prompt_ids),

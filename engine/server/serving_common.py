@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..core.outputs import TokenLogprob
+from ..config.validation import LengthError, RequestError
 from ..core.sampling_params import SamplingParams
 from .async_engine import AsyncEngine
 from .streams import ChoiceDelta, EngineError, RequestStream, Snapshot, StreamClosed
@@ -83,20 +84,13 @@ def build_params(body: _Sampling, *, max_tokens: int | None, logprobs: int | Non
         raise APIError(400, str(exc), param=_param_of(str(exc), type(body).model_fields)) from None
 
 
-def check_length(state: ServerState, num_prompt_tokens: int, params: SamplingParams,
-                 max_tokens_field: str = "max_tokens") -> None:
-    """Refuse a request that cannot fit before it is queued (the engine checks again)."""
-    try:
-        state.engine.resolve_max_tokens(num_prompt_tokens, params)
-    except ValueError as exc:
-        state.engine.metrics.length_refusals.inc()
-        param = max_tokens_field if params.max_tokens is not None else "prompt"
-        raise APIError(400, str(exc), param=param) from None
-
-
 async def admit(state: ServerState, request: Request, prompt_ids: list[int],
-                params: SamplingParams, arrival: float, service_tier: str = "default") -> RequestStream:
-    """Queue the request in the engine: 503 while draining, 429 when the queue is full."""
+                params: SamplingParams, arrival: float, service_tier: str = "default",
+                max_tokens_field: str = "max_tokens") -> RequestStream:
+    """Queue the request in the engine: 503 while draining, 429 when the queue is full, 400
+    naming the field when the engine's add_request (the one place that checks the prompt's
+    ids, resolves max_tokens and checks the id) refuses it. `max_tokens_field` is the name
+    the client gave max_tokens (chat's max_completion_tokens)."""
     if state.draining:
         raise APIError(503, "the server is shutting down and admits no new requests")
     limit = state.settings.max_queued_requests
@@ -105,9 +99,14 @@ async def admit(state: ServerState, request: Request, prompt_ids: list[int],
                             f"({limit} sequences, --max-queued-requests)", param="n")
     if limit is not None and state.engine.queue_length + params.n > limit:
         raise APIError(429, f"the waiting queue is full ({limit} sequences); retry later")
-    rid = state.engine.unique_request_id(request.headers.get("x-request-id"))
     try:
-        return await state.engine.add(rid, prompt_ids, params, arrival_time=arrival, service_tier=service_tier)
+        return await state.engine.add(request.headers.get("x-request-id"), prompt_ids, params,
+                                      arrival_time=arrival, service_tier=service_tier)
+    except RequestError as exc:
+        if isinstance(exc, LengthError):
+            state.engine.metrics.length_refusals.inc()
+        param = max_tokens_field if exc.param == "max_tokens" else exc.param
+        raise APIError(400, str(exc), param=param) from None
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
 

@@ -8,17 +8,15 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from ..core.outputs import TokenLogprob
-from ..config.validation import token_ids
 from .errors import APIError
 from .protocol import CompletionRequest
 from .serving_common import (
-    DeltaTracker, Reply, ServerState, admit, build_params, check_length, check_model,
+    DeltaTracker, Reply, ServerState, admit, build_params, check_model,
 )
 
 
 async def _prompt_ids(body: CompletionRequest, state: ServerState) -> tuple[list[int], str | None]:
     """(token ids, prompt text if given as text). One prompt per request."""
-    tokenizer = state.engine.tokenizer
     prompt = body.prompt
     if isinstance(prompt, list):
         if not prompt:
@@ -32,10 +30,7 @@ async def _prompt_ids(body: CompletionRequest, state: ServerState) -> tuple[list
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
         return await state.prompts.encode(prompt, state.engine.max_model_len), prompt
-    try:
-        return token_ids("prompt token ids", list(prompt), tokenizer.vocab_size), None
-    except ValueError as e:
-        raise APIError(400, str(e), param="prompt") from None
+    return list(prompt), None  # ids are checked once, by the engine's add_request
 
 
 class _LogprobRenderer:
@@ -72,7 +67,6 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
                        param="echo")
     params = build_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
     prompt_ids, prompt_text = await _prompt_ids(body, state)
-    check_length(state, len(prompt_ids), params)
     stream = await admit(state, request, prompt_ids, params, arrival, body.engine_tier)
     echo_text = ""
     if body.echo:

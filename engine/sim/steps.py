@@ -101,7 +101,7 @@ class StepRecorder:
                 if last.kind == "decode" and len(last.requests) == len(prompts):
                     decodes += 1  # only the whole batch decoding counts toward the grid point
         for req in list(engine.scheduler.unfinished):
-            engine.abort_request(req.group.request_id)
+            engine.abort_request(req.out.group.request_id)
 
 
 WARMUP_PROMPT = 64

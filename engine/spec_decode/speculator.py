@@ -62,6 +62,18 @@ def draft_room(req: Request, k: int) -> int:
     return min(k, req.max_tokens - len(req.output_token_ids) - 1) if eligible(req) else 0
 
 
+def drop_consumed(scheduled: SchedulerOutput) -> None:
+    """Speculation's state after a step: a scheduled request's drafts were verified (or cut
+    by the token budget) and are gone; a freed request (preempted, finished, aborted) lost
+    its draft KV with its blocks: back in, it may hit cached blocks that some other
+    request's target computed but whose draft KV nobody wrote. The scheduler reads drafts,
+    never writes them, so this is where they end."""
+    for item in scheduled.scheduled:
+        item.request.spec.token_ids = []
+    for req in scheduled.freed:
+        req.spec.token_ids, req.spec.draft_probs, req.spec.draft_num_computed = [], None, 0
+
+
 class NgramSpeculator:
     """Prompt-lookup drafts: the tokens that followed the latest earlier occurrence of the
     sequence's last n tokens."""
@@ -73,7 +85,9 @@ class NgramSpeculator:
 
     def record(self, scheduled: SchedulerOutput, result: StepResult) -> None:
         """Count each verified request's drafts and how many the target accepted (before
-        any stop cut the output)."""
+        any stop cut the output); drop the drafts the step consumed, and all speculation
+        state of requests whose blocks were freed (their draft KV went with them)."""
+        drop_consumed(scheduled)
         drafted = {item.request: len(item.spec_token_ids) for item in scheduled.scheduled if item.spec_token_ids}
         if not drafted:
             return
@@ -91,7 +105,7 @@ class NgramSpeculator:
             room = draft_room(req, k)
             if room <= 0:
                 continue
-            req.spec_token_ids = propose_ngram(req.all_token_ids, room, cfg.prompt_lookup_min,
+            req.spec.token_ids = propose_ngram(req.all_token_ids, room, cfg.prompt_lookup_min,
                                                cfg.prompt_lookup_max)
 
 
@@ -139,7 +153,7 @@ class SimulatedSpeculator(NgramSpeculator):
         for req in running:
             room = draft_room(req, k)
             if room > 0:
-                req.spec_token_ids = self.drafts.propose(req, room)
+                req.spec.token_ids = self.drafts.propose(req, room)
 
 
 def make_speculator(config, runner, kv_cache: KVCacheManager) -> NgramSpeculator | None:

@@ -68,7 +68,7 @@ def verify_step(logits_for, sample_rows: list[int], requests: list[Request],
     verdict = rejection_sample(
         probs[flat], argmax[flat], draft_ids.to(device), counts.tolist(),
         _draft_probs([requests[i] for i in drafted], [drafts[i] for i in drafted], k, logits.shape[-1], device),
-        greedy, [requests[i].generator for i in drafted])
+        greedy, [requests[i].sample.generator for i in drafted])
     for r, i in enumerate(drafted):
         tokens[i] = verdict.token_ids[r]
 
@@ -93,12 +93,12 @@ def _draft_probs(requests: list[Request], drafts: list[list[int]], k: int, vocab
     """[B, K, vocab]: each row's draft distributions (a draft model's, kept on the request
     when it sampled), a point mass at the draft where it took the argmax, uniform past
     the row's drafts (never read); None for n-gram drafts, all point masses."""
-    if all(r.spec_draft_probs is None for r in requests):
+    if all(r.spec.draft_probs is None for r in requests):
         return None
     q = torch.full((len(requests), k, vocab), 1.0 / vocab, device=device)
     for b, (req, row) in enumerate(zip(requests, drafts)):
-        if req.spec_draft_probs is not None:
-            q[b, :len(row)] = req.spec_draft_probs[:len(row)]  # the budget may have cut drafts
+        if req.spec.draft_probs is not None:
+            q[b, :len(row)] = req.spec.draft_probs[:len(row)]  # the budget may have cut drafts
         else:
             q[b, :len(row)] = 0.0
             q[b, torch.arange(len(row)), torch.tensor(row)] = 1.0

@@ -4,7 +4,7 @@ run by the same executor, proposing K tokens per request after each step.
 Its paged KV cache has the target's block layout: the same block ids index a second set of
 per-layer tensors, so the target's block tables, slot mapping and prefix cache serve both
 and the KV cache manager allocates for both at once (a block costs the target's bytes
-plus the draft's). A request's draft KV is valid for its first `draft_num_computed`
+plus the draft's). A request's draft KV is valid for its first `spec.draft_num_computed`
 tokens; that count chases the target's computed tokens (clamped back after a rejection,
 a preemption or a rollback), so the draft catches up on what it has not seen (a prompt,
 a prefix-cache hit, the last step's accepted tokens) in its first pass, then runs K - 1
@@ -65,15 +65,15 @@ class DraftModel:
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_drafts: list[int], forward, tables) -> None:
-        """Set each request's `spec_token_ids` (num_drafts[i] of them, their slots already
-        allocated) and, for sampled requests, `spec_draft_probs` ([K', vocab]: the
+        """Set each request's `spec.token_ids` (num_drafts[i] of them, their slots already
+        allocated) and, for sampled requests, `spec.draft_probs` ([K', vocab]: the
         distributions they were drawn from, which verification needs). `forward(step,
         model, kv_caches)` is the executor's eager forward pass; `tables` its block tables."""
         rows = []
         for req in requests:
-            start = min(req.draft_num_computed, req.num_computed_tokens)
+            start = min(req.spec.draft_num_computed, req.num_computed_tokens)
             rows.append((req, start, req.token_at(start, req.num_tokens)))
-            req.spec_token_ids, req.spec_draft_probs = [], None
+            req.spec.token_ids, req.spec.draft_probs = [], None
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         live = list(range(len(requests)))
@@ -90,12 +90,12 @@ class DraftModel:
                 drafts[i].append(tokens[j])
                 if dist is not None and not req.sampling_params.greedy:
                     probs[i].append(dist[j] / dist[j].sum())
-                req.draft_num_computed = start + len(fed)
+                req.spec.draft_num_computed = start + len(fed)
                 if len(drafts[i]) < num_drafts[i]:  # feed the draft its own token next
                     rows[i] = (req, start + len(fed), [tokens[j]])
                     still.append(i)
             live = still
         for i, req in enumerate(requests):
-            req.spec_token_ids = drafts[i]
+            req.spec.token_ids = drafts[i]
             if probs[i]:
-                req.spec_draft_probs = torch.stack(probs[i])  # [K', vocab]
+                req.spec.draft_probs = torch.stack(probs[i])  # [K', vocab]

@@ -24,23 +24,28 @@ class BlockTables:
 
     def release(self, requests: list[Request]) -> None:
         for req in requests:
-            if req.table_row is not None:
-                self._free_rows.append(req.table_row)
-                req.table_row = None  # sync() starts the next row from block 0
+            row = req.row
+            if row.table_row is not None:
+                self._free_rows.append(row.table_row)
+                row.table_row = None  # sync() starts the next row from block 0
 
     def sync(self, req: Request) -> int:
         """Write the request's blocks allocated since the last sync; return its row."""
-        if req.table_row is None:
+        row, kv = req.row, req.kv
+        if row.table_row is None:
             if not self._free_rows:
                 self._grow(rows=2 * self.table.shape[0])
-            req.table_row, req.num_table_blocks = self._free_rows.pop(), 0
-        ids, done = req.block_ids, req.num_table_blocks
+            row.table_row, row.num_table_blocks, row.kv_version = self._free_rows.pop(), 0, kv.version
+        ids, done = kv.block_ids, row.num_table_blocks
+        if row.kv_version != kv.version:  # ids left the table (a trim): rewrite past those kept
+            done = min(done, kv.kept) if kv.version == row.kv_version + 1 else 0
+            row.num_table_blocks, row.kv_version = done, kv.version
         if len(ids) > done:
             if len(ids) > self.table.shape[1]:
                 self._grow(cols=max(2 * self.table.shape[1], len(ids)))
-            self.table[req.table_row, done:len(ids)] = torch.tensor(ids[done:], dtype=torch.int32)
-            req.num_table_blocks = len(ids)
-        return req.table_row
+            self.table[row.table_row, done:len(ids)] = torch.tensor(ids[done:], dtype=torch.int32)
+            row.num_table_blocks = len(ids)
+        return row.table_row
 
     def _grow(self, rows: int | None = None, cols: int | None = None) -> None:
         # max_num_seqs and max_model_len can be raised while serving.

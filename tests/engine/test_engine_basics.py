@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 
 from kvpilot.engine import LLM, EngineConfig, SamplingParams
 from kvpilot.engine.config.quantity import parse_bytes
-from kvpilot.engine.config.validation import token_ids
+from kvpilot.engine.config.validation import LengthError, RequestError, token_ids
 
 TINY_KV_BYTES_PER_TOKEN = 4 * 1024  # builtin:tiny in float32, fixed by ARCHITECTURE.md
 
@@ -81,6 +82,34 @@ def test_live_limits_validate_and_apply(llm):
     outs = llm.generate(["a", "b", "c", "d"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
     engine.update_limits(max_num_seqs=256, max_model_len=512)
+
+
+@pytest.mark.parametrize("prompt, params, param, kind, message", [
+    ([1, 2, 99999], {}, "prompt", RequestError, "prompt token ids must be integers"),
+    ("", {}, "prompt", RequestError, "prompt must not be empty"),
+    ([11] * 500, {"max_tokens": 20}, "max_tokens", LengthError, "exceeds max_model_len (512)"),
+    ([11] * 512, {"max_tokens": None}, "prompt", LengthError, "leaves no room under max_model_len"),
+])
+def test_the_engine_edge_names_the_refused_field(llm, prompt, params, param, kind, message):
+    """add_request is the one place a request is checked and max_tokens resolved, for the
+    offline LLM and the server alike: its error says which field (the server's 400 param)."""
+    with pytest.raises(kind, match=re.escape(message)) as e:
+        llm.engine.add_request("edge", prompt, SamplingParams(**params))
+    assert e.value.param == param and isinstance(e.value, ValueError)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_the_engine_edge_checks_ids_and_tiers_once(llm):
+    engine = llm.engine
+    engine.add_request("twice", [11, 12], SamplingParams(max_tokens=2))
+    with pytest.raises(RequestError, match="request_id 'twice' is already in use") as e:
+        engine.add_request("twice", [11, 12], SamplingParams(max_tokens=2))
+    assert e.value.param == "request_id"
+    with pytest.raises(RequestError, match="service_tier must be one of") as e:
+        engine.add_request("tier", [11], SamplingParams(max_tokens=2), service_tier="cheap")
+    assert e.value.param == "service_tier"
+    engine.abort_request("twice")
+    assert not engine.has_unfinished_requests()
 
 
 def test_multibyte_text_round_trips(llm):

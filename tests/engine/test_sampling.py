@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.core.request import Request
+from kvpilot.engine.core.request import Request, SampleState
 from kvpilot.engine.sample.sampler import Sampler, SamplingBatch
 
 
@@ -41,7 +41,7 @@ def test_vllm_spelling_of_disabled_top_k():
 
 
 def _req(params: SamplingParams, out=(), prompt=(1, 2), stop_ids=frozenset({0}), gen=None) -> Request:
-    r = Request("r", list(prompt), params, params.max_tokens or 16, stop_ids, generator=gen)
+    r = Request("r", list(prompt), params, params.max_tokens or 16, stop_ids, sample=SampleState(generator=gen))
     r.output_token_ids = list(out)
     return r
 

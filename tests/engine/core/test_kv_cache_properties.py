@@ -13,7 +13,7 @@ from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.sampling_params import SamplingParams
 from kvpilot.engine.core.scheduler import Scheduler, SchedulerLimits
-from kvpilot.engine.spec_decode.speculator import eligible
+from kvpilot.engine.spec_decode.speculator import drop_consumed, eligible
 from kvpilot.engine.worker.step_inputs import BlockTables, StepInputs
 
 BLOCK = 4
@@ -49,7 +49,7 @@ class Harness:
         sampled, tokens = [], []
         for item in out.scheduled:
             req = item.request
-            table = req.block_ids
+            table = req.kv.block_ids
             start = req.num_computed_tokens
             # Every already-computed position (incl. prefix hits) must hold the right token.
             for pos in range(start):
@@ -65,20 +65,21 @@ class Harness:
                 accepted = sum(req.all_token_ids) % (len(drafts) + 1)
                 tokens.append(drafts[:accepted] + [1 + sum(req.all_token_ids) % 7])  # never stop id 0
         self.sched.update(out, sampled, tokens)
+        drop_consumed(out)  # as the engine's speculator does after each step
         self.check()
         for req in self.sched.running:
             # Rollback: no request holds a block past its tokens (the rejected drafts' slots).
-            assert len(req.block_ids) <= -(-req.num_tokens // BLOCK), "a rejected draft's block leaked"
+            assert len(req.kv.block_ids) <= -(-req.num_tokens // BLOCK), "a rejected draft's block leaked"
             if self.spec_k and eligible(req):
                 room = min(self.spec_k, req.max_tokens - len(req.output_token_ids) - 1)
-                req.spec_token_ids = [1 + (len(req.all_token_ids) + j) % 5 for j in range(max(room, 0))]
+                req.spec.token_ids = [1 + (len(req.all_token_ids) + j) % 5 for j in range(max(room, 0))]
 
     def check_step_inputs(self, out, step: StepInputs) -> None:
         """The step's inputs as the old per-token loop computed them from `block_ids`;
         and only running requests hold block-table rows (none leak), each its own."""
-        holders = [r for r in self.all if r.table_row is not None]
+        holders = [r for r in self.all if r.row.table_row is not None]
         assert set(holders) <= set(self.sched.running)
-        assert len({r.table_row for r in holders}) == len(holders)
+        assert len({r.row.table_row for r in holders}) == len(holders)
         assert self.tables.table.shape[0] - len(self.tables._free_rows) == len(holders)
         ids, positions, slots = [], [], []
         for i, item in enumerate(out.scheduled):
@@ -86,9 +87,9 @@ class Harness:
             end = start + item.num_new_tokens
             ids += req.token_at(start, end - len(item.spec_token_ids)) + item.spec_token_ids
             positions += range(start, end)
-            slots += [req.block_ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]
+            slots += [req.kv.block_ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]
             needed = -(-end // BLOCK)
-            assert step.block_tables[i, :needed].tolist() == req.block_ids[:needed]
+            assert step.block_tables[i, :needed].tolist() == req.kv.block_ids[:needed]
             assert step.seq_lens[i] == end and step.query_lens[i] == item.num_new_tokens
         assert step.input_ids.tolist() == ids and step.positions.tolist() == positions
         assert step.slot_mapping.tolist() == slots
@@ -103,7 +104,7 @@ class Harness:
         pool = self.kv.pool
         held: dict[int, int] = {}
         for req in self.all:
-            ids = req.block_ids
+            ids = req.kv.block_ids
             assert len(ids) == len(set(ids)), "a request holds a block twice"
             for b in ids:
                 held[b] = held.get(b, 0) + 1
@@ -112,7 +113,7 @@ class Harness:
             assert block.ref_cnt == held.get(block.block_id, 0), "reference count drifted"
         free = {b.block_id for b in pool.blocks if b.ref_cnt == 0}
         assert pool.num_free_blocks == len(free), "free queue disagrees with ref counts"
-        assert {r.request_id for r in self.all if r.block_ids} <= {
+        assert {r.request_id for r in self.all if r.kv.block_ids} <= {
             r.request_id for r in self.sched.running
         } | {r.request_id for r in self.sched.waiting}
         assert len(self.sched.running) <= self.sched.limits.max_num_seqs
@@ -194,15 +195,28 @@ def test_preemption_recomputes_newest_first():
 def test_a_freed_request_gets_its_block_table_rewritten_and_tables_grow_intact():
     tables = BlockTables(rows=1, blocks_per_row=2)
     a, b = _request("a", [1], 4), _request("b", [2], 4)
-    a.block_ids = [5, 6, 7]  # more blocks than a row holds: the columns grow
+    a.kv.block_ids = [5, 6, 7]  # more blocks than a row holds: the columns grow
     row_a = tables.sync(a)
-    b.block_ids = [3]
+    b.kv.block_ids = [3]
     row_b = tables.sync(b)  # no free row: the rows grow, a's row kept
     assert row_a != row_b and tables.table[row_a, :3].tolist() == [5, 6, 7]
     tables.release([a])  # preempted: its blocks were freed ...
-    a.block_ids = [1, 2]  # ... and on re-admission it holds others
+    a.kv.block_ids = [1, 2]  # ... and on re-admission it holds others
     row = tables.sync(a)
     assert tables.table[row, :2].tolist() == [1, 2] and tables.table[row_b, :1].tolist() == [3]
-    b.block_ids.append(9)  # a decode that fills a block appends one id
+    b.kv.block_ids.append(9)  # a decode that fills a block appends one id
     tables.sync(b)
     assert tables.table[row_b, :2].tolist() == [3, 9]
+
+
+def test_a_trimmed_block_table_row_is_rewritten_past_what_the_trim_kept():
+    """The KV cache manager never writes the executor's row state: a trim bumps its own
+    version, and the next sync rewrites the row from the blocks the trim kept."""
+    kv, tables = KVCacheManager(8, BLOCK, False), BlockTables(rows=1, blocks_per_row=1)
+    a, b = _request("a", [1] * 5, 20), _request("b", [2], 20)
+    assert kv.allocate_slots(a, 5 + 4) is not None  # 5 tokens and 4 drafts: 3 blocks
+    row = tables.sync(a)
+    kv.trim(a)  # all drafts rejected: back to 2 blocks
+    kv.allocate_slots(b, 1)  # another request takes the freed block ...
+    assert kv.allocate_slots(a, 5 + 4) is not None  # ... so a's third block is a new one
+    assert tables.sync(a) == row and tables.table[row, :3].tolist() == a.kv.block_ids

@@ -52,4 +52,4 @@ def test_the_batch_rows_follow_each_request_and_skip_the_unpenalized(steps):
                 counts, mask = torch.zeros(VOCAB), torch.zeros(VOCAB, dtype=torch.bool)
             assert torch.equal(batch.output_counts[i], counts)
             assert torch.equal(batch.prompt_mask[i], mask)
-    assert reqs[1].penalty_counts is None
+    assert reqs[1].sample.penalty_counts is None
