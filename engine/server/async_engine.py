@@ -20,7 +20,7 @@ from ..core.executor import EngineDeadError
 from ..core.outputs import RequestOutput
 from ..core.sampling_params import SamplingParams
 from ..metrics.exporter import ServerMetrics
-from .streams import RequestStream, RequestTrack, Snapshot
+from .streams import RequestStream, RequestTrack, StreamUpdate
 
 if TYPE_CHECKING:
     from ..llm_engine import LLMEngine
@@ -189,7 +189,7 @@ class AsyncEngine:
     async def update_limits(self, **limits: int | None) -> None:
         await self.call(lambda engine: engine.update_limits(**limits))
 
-    def _deliver(self, batch: list[Snapshot]) -> None:
+    def _deliver(self, batch: list[StreamUpdate]) -> None:
         for snap in batch:
             stream = self._streams.get(snap.request_id)
             if stream is not None:
@@ -237,7 +237,7 @@ class AsyncEngine:
         self._waiting = (stats.num_waiting, 0)
         self.metrics.record_stats(stats)
 
-    def _post(self, batch: list[Snapshot]) -> None:
+    def _post(self, batch: list[StreamUpdate]) -> None:
         if batch and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._deliver, batch)
 
@@ -260,7 +260,7 @@ class AsyncEngine:
         if track is None:
             return
         self.engine.abort_request(rid)
-        self._post([Snapshot(rid, track.aborted(), True, track.num_prompt_tokens,
+        self._post([StreamUpdate(rid, track.aborted(), True, track.num_prompt_tokens,
                              track.num_cached_tokens)])
 
     def _fail_all(self, message: str) -> None:
@@ -271,7 +271,7 @@ class AsyncEngine:
                 self.engine.abort_request(rid)
             except Exception:
                 log.exception("abort after a failed step also failed")
-            batch.append(Snapshot(rid, [], True, track.num_prompt_tokens, error=message))
+            batch.append(StreamUpdate(rid, [], True, track.num_prompt_tokens, error=message))
         self._post(batch)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -282,11 +282,11 @@ class AsyncEngine:
                 continue  # aborted while this step ran
             if out.error is not None:  # the engine failed on this request alone
                 del self._live[out.request_id]
-                batch.append(Snapshot(out.request_id, [], True, track.num_prompt_tokens, error=out.error))
+                batch.append(StreamUpdate(out.request_id, [], True, track.num_prompt_tokens, error=out.error))
                 continue
             m = out.metrics
             track.num_cached_tokens = m.num_cached_tokens if m else 0
-            batch.append(Snapshot(out.request_id, track.deltas(out.outputs), out.finished,
+            batch.append(StreamUpdate(out.request_id, track.deltas(out.outputs), out.finished,
                                   track.num_prompt_tokens, track.num_cached_tokens,
                                   metrics=m if out.finished else None))
             if out.finished:

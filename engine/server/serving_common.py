@@ -17,7 +17,7 @@ from ..core.outputs import TokenLogprob
 from ..config.validation import LengthError, RequestError
 from ..core.sampling_params import SamplingParams
 from .async_engine import AsyncEngine
-from .streams import ChoiceDelta, EngineError, RequestStream, Snapshot, StreamClosed
+from .streams import ChoiceDelta, EngineError, RequestStream, StreamUpdate, StreamClosed
 from .errors import APIError, error_body
 from .limits import ServerLimits
 from .prompts import PromptEncoder
@@ -129,7 +129,7 @@ async def watch_disconnect(request: Request, stream: RequestStream) -> None:
         pass
 
 
-async def final_snapshot(stream: RequestStream, watcher: asyncio.Task) -> Snapshot | None:
+async def final_snapshot(stream: RequestStream, watcher: asyncio.Task) -> StreamUpdate | None:
     """Wait for the request to finish; None if the client went away first."""
     snap = None
     try:
@@ -172,8 +172,8 @@ class DeltaTracker:
 
 
 async def sse_events(stream: RequestStream, watcher: asyncio.Task, first: list[str],
-                     render: Callable[[Snapshot], str | None],
-                     usage_chunk: Callable[[Snapshot], str] | None) -> AsyncIterator[str]:
+                     render: Callable[[StreamUpdate], str | None],
+                     usage_chunk: Callable[[StreamUpdate], str] | None) -> AsyncIterator[str]:
     """The SSE body: `first` chunks, one chunk per snapshot that `render`s to something,
     the usage chunk if asked for, then [DONE]. Closing (a disconnect) aborts the request."""
     last = None
@@ -198,7 +198,7 @@ async def sse_events(stream: RequestStream, watcher: asyncio.Task, first: list[s
         stream.close()
 
 
-def usage(num_prompt_tokens: int, snap: Snapshot) -> dict:
+def usage(num_prompt_tokens: int, snap: StreamUpdate) -> dict:
     completion = sum(len(c.token_ids) for c in snap.choices)
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": completion,
             "total_tokens": num_prompt_tokens + completion}
@@ -230,10 +230,10 @@ class Reply:
         self.include_usage = include_usage
         self.watcher = asyncio.create_task(watch_disconnect(request, stream))
 
-    async def final(self) -> Snapshot | None:
+    async def final(self) -> StreamUpdate | None:
         return await final_snapshot(self.stream, self.watcher)
 
-    def json(self, choices: list[dict], snap: Snapshot) -> JSONResponse:
+    def json(self, choices: list[dict], snap: StreamUpdate) -> JSONResponse:
         timing = server_timing(snap.metrics, [len(c.token_ids) for c in snap.choices])
         headers = {**self.headers, "Server-Timing": timing} if timing else self.headers
         return JSONResponse({**self.head, "choices": choices,
@@ -242,10 +242,10 @@ class Reply:
     def chunk(self, choices: list[dict]) -> str:
         return sse({**self.head, "choices": choices, **({"usage": None} if self.include_usage else {})})
 
-    def _usage_chunk(self, snap: Snapshot) -> str:
+    def _usage_chunk(self, snap: StreamUpdate) -> str:
         return sse({**self.head, "choices": [], "usage": usage(self.num_prompt_tokens, snap)})
 
-    def streaming(self, first: list[str], render: Callable[[Snapshot], str | None]) -> StreamingResponse:
+    def streaming(self, first: list[str], render: Callable[[StreamUpdate], str | None]) -> StreamingResponse:
         events = sse_events(self.stream, self.watcher, first, render,
                             self._usage_chunk if self.include_usage else None)
         return StreamingResponse(events, media_type="text/event-stream", headers=self.headers)

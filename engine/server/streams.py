@@ -69,7 +69,7 @@ class Choice:
 
 
 @dataclass
-class Snapshot:
+class StreamUpdate:
     """One request's update: the deltas the engine sent (merged, if several were queued)
     and, on the loop side, every choice so far (`choices`, filled in by the stream)."""
 
@@ -82,7 +82,7 @@ class Snapshot:
     metrics: RequestMetrics | None = None  # the engine's timestamps, with the final snapshot
     choices: list[Choice] = field(default_factory=list)
 
-    def merge(self, later: "Snapshot") -> None:
+    def merge(self, later: "StreamUpdate") -> None:
         mine = {d.index: d for d in self.deltas}
         for d in later.deltas:
             if d.index in mine:
@@ -138,15 +138,15 @@ class RequestStream:
     def __init__(self, request_id: str, release: Callable[["RequestStream"], None], n: int = 1) -> None:
         self.request_id = request_id
         self._release = release  # the engine's: forget the stream, abort unless finished
-        self._queue: asyncio.Queue[Snapshot | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[StreamUpdate | None] = asyncio.Queue()
         self.choices = [Choice(i) for i in range(n)]
         self.finished = False
         self.closed = False
 
-    def _put(self, snap: Snapshot | None) -> None:
+    def _put(self, snap: StreamUpdate | None) -> None:
         self._queue.put_nowait(snap)
 
-    async def get(self) -> Snapshot:
+    async def get(self) -> StreamUpdate:
         snap = await self._queue.get()
         while snap is not None and not snap.finished and not self._queue.empty():
             later = self._queue.get_nowait()
@@ -168,7 +168,7 @@ class RequestStream:
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> Snapshot:
+    async def __anext__(self) -> StreamUpdate:
         if self.closed:
             raise StreamClosed(self.request_id)
         if self.finished:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from kvpilot.engine.core.outputs import CompletionOutput, TokenLogprob
-from kvpilot.engine.server.streams import RequestStream, RequestTrack, Snapshot
+from kvpilot.engine.server.streams import RequestStream, RequestTrack, StreamUpdate
 from kvpilot.engine.server.serving_common import DeltaTracker
 
 
@@ -36,11 +36,11 @@ def test_a_lagging_reader_gets_the_queued_deltas_merged_and_the_whole_choices():
         out = CompletionOutput(0, "", [])
         for text, ids in (("a", [1]), ("ab", [1, 2]), ("abc", [1, 2, 3])):
             out.text, out.token_ids = text, ids
-            stream._put(Snapshot("r", track.deltas([out]), False, 1))
+            stream._put(StreamUpdate("r", track.deltas([out]), False, 1))
         snap = await stream.get()
         assert [(d.text, d.token_ids) for d in snap.deltas] == [("abc", [1, 2, 3])]
         out.text, out.token_ids, out.finish_reason = "abcd", [1, 2, 3, 4], "stop"
-        stream._put(Snapshot("r", track.deltas([out]), True, 1))
+        stream._put(StreamUpdate("r", track.deltas([out]), True, 1))
         snap = await stream.get()
         assert [(d.text, d.token_ids) for d in snap.deltas] == [("d", [4])]
         assert (snap.choices[0].text, snap.choices[0].token_ids) == ("abcd", [1, 2, 3, 4])
