@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .ngram_proposer import propose_ngram
 from ..core.executor import StepResult
 from ..core.kv_cache_manager import KVCacheManager
 from ..core.request import Request, RequestStatus
@@ -100,6 +99,10 @@ class NgramSpeculator:
         k = self.num_speculative_tokens
         if k <= 0:
             return
+        # numpy, where the real engine drafts: the simulated engine (the torch-free operator
+        # image) drafts in its executor and never comes here.
+        from .ngram_proposer import propose_ngram
+
         cfg = self.config
         for req in running:
             room = draft_room(req, k)

@@ -109,7 +109,7 @@ def test_folders_hold_at_most_20_modules_and_modules_at_most_400_lines():
 
 # Modules that a torch-free install must import: the operator and the gateway whole, and the
 # simulated engine's server path (simulated pods run the slim kvpilot/operator image).
-WITHOUT_TORCH = ("torch", "triton", "safetensors", "transformers")
+WITHOUT_TORCH = ("torch", "triton", "safetensors", "numpy", "transformers")
 
 
 def test_the_operator_gateway_and_simulated_engine_run_without_torch():
