@@ -11,10 +11,6 @@ from pathlib import Path
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 README_MAX_LINES = 250
 
-# Pages written on other branches and linked before they land; the lead removes this list
-# when merging those branches (docs/kubernetes.md and docs/replay.md).
-PAGES_FROM_OTHER_BRANCHES = {"docs/kubernetes.md", "docs/replay.md"}
-
 FENCE = re.compile(r"^\s*(```|~~~)")
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1")
@@ -88,7 +84,7 @@ def doc_pages(root: Path) -> list[Path]:
 
 
 def test_every_relative_link_and_anchor_resolves():
-    assert broken_links(ROOT, doc_pages(ROOT), PAGES_FROM_OTHER_BRANCHES) == []
+    assert broken_links(ROOT, doc_pages(ROOT)) == []
 
 
 def test_the_readme_fits_on_a_screen_or_two():
