@@ -162,8 +162,9 @@ def build_crd() -> dict:
                     "properties": {
                         "apiVersion": {"type": "string", "description": f"{GROUP}/{VERSION}"},
                         "kind": {"type": "string", "description": KIND},
-                        "metadata": {"type": "object", "description": "The object's name, namespace, "
-                                                                      "labels and annotations."},
+                        # The API server allows nothing but the type here (kubectl explain
+                        # shows ObjectMeta's own documentation for it).
+                        "metadata": {"type": "object"},
                         "spec": spec,
                         "status": _status_schema(),
                     },
