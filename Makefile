@@ -23,16 +23,18 @@ dev: $(VENV)/.installed
 lint: dev
 	$(VENV)/bin/ruff check .
 
+# Prints the 20 slowest tests and the whole run's time, so a CI log shows where its minutes go.
 test: dev lint node-deps
-	$(VENV)/bin/pytest -q --durations=40 tests e2e
+	@start=$$(date +%s); $(VENV)/bin/pytest -q --durations=20 tests e2e; rc=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s for pytest (exit $$rc)"; exit $$rc
 
 test-fast: dev
 	$(VENV)/bin/pytest -q tests
 
-# The kvpilot/engine:<version> image from the Containerfile, built on this machine without a
-# registry (buildah; a Debian base made with mmdebstrap; root). Writes an OCI archive for
-# `ctr -n k8s.io images import` under $(KVPILOT_CACHE_DIR)/images and prints its path;
-# rebuilt only when an input changes.
+# kvpilot's two images from the Containerfile's targets, kvpilot/operator:<version> (no torch)
+# and kvpilot/engine:<version>, built on this machine without a registry (buildah; Debian bases
+# made with mmdebstrap; root). Writes an OCI archive each for `ctr -n k8s.io images import`
+# under $(KVPILOT_CACHE_DIR)/images and prints their paths; rebuilt only when an input changes.
 image: node-deps
 	e2e/image/build.sh
 
