@@ -60,7 +60,10 @@ trap cleanup EXIT
 
 log "making $image with mmdebstrap ($SUITE, minbase: $PACKAGES)"
 # --skip=output/dev: no device nodes in the tarball; the container runtime makes /dev.
+# The merged-usr hook lays out /usr itself, so the usrmerge package (and the perl it pulls in,
+# about 50 MB) is not installed.
 mmdebstrap --variant=minbase --mode=root --format=tar --skip=output/dev \
+    --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
     --include="$PACKAGES" "${DPKG_OPTS[@]}" \
     "$SUITE" "$work/rootfs.tar" "${MIRRORS[@]}" 2>&1 | ts_stderr
 log "root filesystem: $(du -h "$work/rootfs.tar" | cut -f1)"
