@@ -189,3 +189,18 @@ def test_verifying_a_setting_does_not_hold_capacity_from_a_building_queue():
     calm = replace(queued, queue_time_p95_s=0.05, num_waiting=0.0)  # no queue: the verification holds
     d = decide(calm, cur, BOUNDS, history, T0, thresholds=t)
     assert d.action is Action.HOLD and "verifying" in d.reason
+
+
+def test_a_replica_added_for_pressure_stays_while_the_load_does():
+    t = Thresholds(tpot_objective_s=0.05, cooldown_s=60.0)
+    h = History().observe(Observation(T0 - 400, 250.0, 27000.0, 0.06))
+    added = Decision(T0 - 390, Diagnosis.TPOT_BOUND, Action.CHANGE, "queue", change={"replicas": (1, 2)})
+    h = h.record(added, applied=True)
+    cur = replace(CUR, replicas=2)
+    # Two replicas make it look easy (TPOT 15 ms, 2 % KV), but the load is what one fell short of.
+    same_load = snap(num_running=240.0, prompt_tokens_per_s=26000.0, tpot_p95_s=0.012, kv_usage_max=0.1)
+    decisions, after = run_intervals([same_load] * 8, cur, t=t, history=h)
+    assert after.replicas == 2 and "what 1 replica(s) were short of" in decisions[-1].reason
+    fallen = snap(num_running=60.0, prompt_tokens_per_s=8000.0, tpot_p95_s=0.012, kv_usage_max=0.1)
+    decisions, after = run_intervals([fallen] * 8, cur, t=t, history=h)
+    assert after.replicas == 1
