@@ -183,9 +183,11 @@ def test_verifying_a_setting_does_not_hold_capacity_from_a_building_queue():
     history = history.record(Decision(T0 - 15, Diagnosis.TPOT_BOUND, Action.HOLD, "verifying"), applied=False)
     cur = replace(CUR, max_num_batched_tokens=4096)
     queued = snap(tpot_p95_s=0.058, num_running=250.0, running_min=200.0, queue_time_p95_s=1.5, num_waiting=12.0,
-                  prompt_tokens_per_s=20000.0, generation_tokens_per_s=4000.0)
+                  num_waiting_now=20.0, prompt_tokens_per_s=20000.0, generation_tokens_per_s=4000.0)
     d = decide(queued, cur, BOUNDS, history, T0, thresholds=t)
     assert d.change == {"replicas": (1, 2)} and "but requests queue" in d.reason
+    draining = replace(queued, num_waiting_now=3.0)  # served by what there is: the verification holds
+    assert decide(draining, cur, BOUNDS, history, T0, thresholds=t).action is Action.HOLD
     calm = replace(queued, queue_time_p95_s=0.05, num_waiting=0.0)  # no queue: the verification holds
     d = decide(calm, cur, BOUNDS, history, T0, thresholds=t)
     assert d.action is Action.HOLD and "verifying" in d.reason

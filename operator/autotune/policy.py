@@ -306,7 +306,10 @@ def _urgent_scale_out(diagnosis: Diagnosis, s: Snapshot, cur: Settings, bounds: 
     chunks would only lengthen the queue), for scale_out_windows intervals. A scale-out is
     never reverted, so verifying an earlier settings change, or its cooldown, must not hold it."""
     queueing = (s.queue_time_p95_s or 0.0) >= t.queue_enter_s or (s.num_waiting or 0.0) >= t.waiting_enter
-    if (diagnosis not in (Diagnosis.TPOT_BOUND, Diagnosis.HARDWARE_BOUND) or not queueing
+    # A queue already draining (fewer waiting now than on average over the window) is being
+    # served by the capacity there is: no more on top of it.
+    draining = s.num_waiting_now is not None and s.num_waiting_now < (s.num_waiting or 0.0)
+    if (diagnosis not in (Diagnosis.TPOT_BOUND, Diagnosis.HARDWARE_BOUND) or not queueing or draining
             or (s.pods and len(s.pods) < cur.replicas)):
         return None
     out = _scale_out(cur, bounds, history, s, t, "", diagnosis)
