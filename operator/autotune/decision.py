@@ -154,6 +154,8 @@ class Thresholds:
     # Rules' scale-in (scale_in.py): the replicas left may run at most this share of the cap,
     # with TPOT p95 now at most this share of the objective.
     scale_in_load: float = 0.7
+    scale_in_load_margin: float = 0.7  # ... and carry at most this x the load a scale-out was made for
+    scale_in_memory_s: float = 3600.0  # how long that load is remembered
     # The chunk budget (chunk.py) moves when at least this share of the tokens processed are
     # prompt tokens; it is raised for a queue only while TPOT p95 <= this x the objective.
     chunk_prompt_share: float = 0.5

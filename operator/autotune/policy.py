@@ -66,7 +66,10 @@ def decide(
     diagnosis, evidence = _diagnose(snapshot, current, bounds, history, thresholds)
 
     verdict = judge_last_change(snapshot, current, bounds, history, now, thresholds)
+    urgent = _urgent_scale_out(diagnosis, snapshot, current, bounds, history, thresholds)
     if verdict.wait:
+        if urgent is not None:  # judging a setting never keeps capacity from a building queue
+            return _change(now, snapshot, urgent, f"{evidence}; {verdict.wait}, but requests queue")
         return Decision(now, diagnosis, Action.HOLD, f"{evidence}; {verdict.wait}")
     if verdict.revert:
         return Decision(now, diagnosis, Action.REVERT, verdict.note, change=verdict.revert,
@@ -92,6 +95,9 @@ def decide(
     if last is not None and now - last.decision.time < thresholds.cooldown_s and not scale_out_in_cooldown(
             diagnosis, current, model_plan, last, now, thresholds):
         left = thresholds.cooldown_s - (now - last.decision.time)
+        if urgent is not None and "replicas" not in last.decision.change:
+            return _change(now, snapshot, urgent, f"{evidence}; cooldown after {fmt_change(last.decision.change)}, "
+                                                  f"but requests queue", verifies, verified)
         return hold(f"{evidence}; cooldown after {fmt_change(last.decision.change)}: {left:.0f}s left")
     if diagnosis in PRESSURE and snapshot.running_min is not None and snapshot.running_min < 0.5:
         # A window that starts idle (load ramping up, or a pause) is no baseline: a change
@@ -291,6 +297,29 @@ def _act(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds: Bounds
     if diagnosis is Diagnosis.HEALTHY:
         return scale_in_when_calm(s, cur, bounds, history, now, t)
     return None
+
+
+def _urgent_scale_out(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: History,
+                      t: Thresholds):
+    """A scale-out that waits for nothing else: requests queue (at the enter levels) while
+    TPOT is over its objective or no setting has headroom left (a narrower batch or smaller
+    chunks would only lengthen the queue), for scale_out_windows intervals. A scale-out is
+    never reverted, so verifying an earlier settings change, or its cooldown, must not hold it."""
+    queueing = (s.queue_time_p95_s or 0.0) >= t.queue_enter_s or (s.num_waiting or 0.0) >= t.waiting_enter
+    # A queue already draining (fewer waiting now than on average over the window) is being
+    # served by the capacity there is: no more on top of it.
+    draining = s.num_waiting_now is not None and s.num_waiting_now < (s.num_waiting or 0.0)
+    if (diagnosis not in (Diagnosis.TPOT_BOUND, Diagnosis.HARDWARE_BOUND) or not queueing or draining
+            or (s.pods and len(s.pods) < cur.replicas)):
+        return None
+    out = _scale_out(cur, bounds, history, s, t, "", diagnosis)
+    return out if out[0] else None
+
+
+def _change(now: float, s: MetricsSnapshot, proposal, evidence: str, verifies=None, verified=None) -> Decision:
+    change, target, extra, diagnosis = proposal
+    return Decision(now, diagnosis, Action.CHANGE, f"{evidence}; {extra}", change=change, target=target,
+                    baseline=signal(s, target) if target else None, verifies=verifies, verified=verified)
 
 
 def _scale_out(cur: Settings, bounds: Bounds, history: History, s: MetricsSnapshot, t: Thresholds,

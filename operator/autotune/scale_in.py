@@ -8,8 +8,10 @@ in proportion too (it must stay under `scale_in_tpot_ratio` x the objective); a 
 deployment model whose windows determine its terms, trusted or not, may veto the move where
 it projects TPOT higher (never make it: vetoing costs a GPU for a while, a wrong scale-in a
 backlog). A scale-in that the load then
-contradicts (a scale-out for pressure soon after) is not repeated for `flip_backoff_s`:
-the hysteresis holds a needed replica, and a mistaken one goes within minutes."""
+contradicts (a scale-out for pressure soon after) is not repeated for `flip_backoff_s`,
+and a replica added for pressure stays while the load is above `scale_in_load_margin` x
+the load the smaller fleet was short of: the hysteresis holds a needed replica, and a
+mistaken one goes within minutes of the load falling (or at once, if it was never needed)."""
 
 from __future__ import annotations
 
@@ -40,6 +42,22 @@ def flipped(history: History, now: float, t: Thresholds, target: int) -> str | N
     return None
 
 
+def load_when_added(history: History, replicas: int, now: float, t: Thresholds) -> tuple[float, float] | None:
+    """(prompt tokens/s, running sequences), deployment-wide, that `replicas - 1` replicas
+    were under pressure at when the last scale-out to `replicas` was made for it (within
+    scale_in_memory_s), from the model's observations; None when there is none."""
+    for entry in reversed(history.applied_since(now - t.scale_in_memory_s)):
+        d = entry.decision
+        old, new = d.change.get("replicas", (0, 0))
+        if not old < replicas <= new or d.diagnosis not in PRESSURE:
+            continue
+        before = [o for o in history.observations if o.time <= d.time]
+        if before:
+            o = before[-1]
+            return o.prompt_tokens_per_s * old, o.running * old
+    return None
+
+
 def scale_in_when_calm(s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: History, now: float,
                        t: Thresholds):
     """(change, target, sentence, diagnosis) removing a replica, an explanation of why not
@@ -58,6 +76,16 @@ def scale_in_when_calm(s: MetricsSnapshot, cur: Settings, bounds: Bounds, histor
         return {}, None, blocked, Diagnosis.HEALTHY
     k = cur.replicas / (cur.replicas - 1)
     limits = []
+    # Hysteresis on demand: a replica added because the smaller fleet was under pressure
+    # goes only once the load is well below what that fleet could not carry.
+    added_at = load_when_added(history, cur.replicas, now, t)
+    if added_at is not None:
+        prompt0, running0 = added_at
+        m = t.scale_in_load_margin
+        if (s.prompt_tokens_per_s or 0.0) > m * prompt0 or (s.num_running or 0.0) > m * running0:
+            limits.append(f"the load ({s.prompt_tokens_per_s or 0:.0f} prompt tok/s, {s.num_running or 0:.0f} running) "
+                          f"is above {m:g} x what {cur.replicas - 1} replica(s) were short of ({prompt0:.0f}, "
+                          f"{running0:.0f})")
     if (s.kv_usage_max or 0.0) * k > t.kv_low_exit:
         limits.append(f"KV usage peak {s.kv_usage_max:.0%} x {k:.2f} > {t.kv_low_exit:.0%}")
     running = (s.num_running or 0.0) / serving * k

@@ -269,7 +269,8 @@ def add_parser(sub) -> None:
     p.add_argument("--sweep-lens", default="32768")
     p.add_argument("--rules-only", action="store_true", help="also run Auto without the deployment model")
     p.add_argument("--contenders", default=None, metavar="KINDS",
-                   help="run only these of the headline contenders, e.g. auto,dynamo (default: all)")
+                   help="run only these of the headline contenders, e.g. auto,dynamo; static: the defaults "
+                        "(with --sweep, only the grid beside them) (default: all)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: one per CPU)")
     p.add_argument("--no-plots", action="store_true", help="no timeline PNGs")
     p.add_argument("--out", default="results")

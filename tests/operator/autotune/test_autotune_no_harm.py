@@ -173,3 +173,36 @@ def test_the_operator_clamps_a_tuned_chunk_budget_into_its_bounds():
     assert eff.max_num_batched_tokens == 4096 and '"max_num_batched_tokens": 4096' in tuning_json(eff)
     assert effective_settings(spec, Effective(max_num_batched_tokens=8)).max_num_batched_tokens == 1024
     assert "max_num_batched_tokens" not in tuning_json(effective_settings(spec))  # untouched: not in the file
+
+
+def test_verifying_a_setting_does_not_hold_capacity_from_a_building_queue():
+    t = Thresholds(tpot_objective_s=0.05, cooldown_s=60.0)
+    chunk = Decision(T0 - 30, Diagnosis.TPOT_BOUND, Action.CHANGE, "earlier",
+                     change={"max_num_batched_tokens": (8192, 4096)}, target="tpot_p95_s", baseline=0.06)
+    history = History().record(chunk, applied=True)
+    history = history.record(Decision(T0 - 15, Diagnosis.TPOT_BOUND, Action.HOLD, "verifying"), applied=False)
+    cur = replace(CUR, max_num_batched_tokens=4096)
+    queued = snap(tpot_p95_s=0.058, num_running=250.0, running_min=200.0, queue_time_p95_s=1.5, num_waiting=12.0,
+                  num_waiting_now=20.0, prompt_tokens_per_s=20000.0, generation_tokens_per_s=4000.0)
+    d = decide(queued, cur, BOUNDS, history, T0, thresholds=t)
+    assert d.change == {"replicas": (1, 2)} and "but requests queue" in d.reason
+    draining = replace(queued, num_waiting_now=3.0)  # served by what there is: the verification holds
+    assert decide(draining, cur, BOUNDS, history, T0, thresholds=t).action is Action.HOLD
+    calm = replace(queued, queue_time_p95_s=0.05, num_waiting=0.0)  # no queue: the verification holds
+    d = decide(calm, cur, BOUNDS, history, T0, thresholds=t)
+    assert d.action is Action.HOLD and "verifying" in d.reason
+
+
+def test_a_replica_added_for_pressure_stays_while_the_load_does():
+    t = Thresholds(tpot_objective_s=0.05, cooldown_s=60.0)
+    h = History().observe(Observation(T0 - 400, 250.0, 27000.0, 0.06))
+    added = Decision(T0 - 390, Diagnosis.TPOT_BOUND, Action.CHANGE, "queue", change={"replicas": (1, 2)})
+    h = h.record(added, applied=True)
+    cur = replace(CUR, replicas=2)
+    # Two replicas make it look easy (TPOT 15 ms, 2 % KV), but the load is what one fell short of.
+    same_load = snap(num_running=240.0, prompt_tokens_per_s=26000.0, tpot_p95_s=0.012, kv_usage_max=0.1)
+    decisions, after = run_intervals([same_load] * 8, cur, t=t, history=h)
+    assert after.replicas == 2 and "what 1 replica(s) were short of" in decisions[-1].reason
+    fallen = snap(num_running=60.0, prompt_tokens_per_s=8000.0, tpot_p95_s=0.012, kv_usage_max=0.1)
+    decisions, after = run_intervals([fallen] * 8, cur, t=t, history=h)
+    assert after.replicas == 1

@@ -320,9 +320,10 @@ def test_contest_command_prints_the_table_and_writes_json_and_pngs(tmp_path, cap
     assert code == 0
     assert "SIMULATED accelerator" in out and "kvpilot Auto" in out and "Auto / defaults" in out
     data = json.loads((tmp_path / "contest-scheduler-bound.json").read_text())
-    assert data["simulated"] and {r["kind"] for r in data["results"]} == {"static", "keda", "wva", "hpa-kv", "auto"}
+    assert data["simulated"] and {r["kind"] for r in data["results"]} == {"static", "keda", "wva", "hpa-kv", "dynamo",
+                                                                           "auto"}
     assert data["control_scale"] == 0.1
-    assert len(list(tmp_path.glob("contest-scheduler-bound-*.png"))) == 5
+    assert len(list(tmp_path.glob("contest-scheduler-bound-*.png"))) == 6
 
 
 def test_contest_command_names_the_bad_flag(capsys):
