@@ -135,7 +135,7 @@ def test_a_rank_that_dies_fails_health_and_ends_the_server(tmp_path):
     try:
         server.wait_ready()
         assert httpx.get(server.url + "/health", timeout=5).status_code == 200
-        worker = int(subprocess.check_output(["pgrep", "-P", str(server.pid), "-f", "parallel.worker"]).split()[0])
+        worker = int(subprocess.check_output(["pgrep", "-P", str(server.pid), "-f", "kvpilot.engine.worker.rank"]).split()[0])
         os.kill(worker, signal.SIGKILL)
         code = wait_for(lambda: server.proc.poll(), 10, what="the server to exit after its rank died")
         assert code == 1, server.log_tail()
