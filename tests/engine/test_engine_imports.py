@@ -1,11 +1,12 @@
-"""The engine's import graph: no cycles, never the operator, the core never the server,
-and the engine imports without fastapi, kopf or torch."""
+"""The engine's import graph: never the operator, the core never the server, and the
+engine imports without fastapi, kopf or torch (no cycles: tests/project/test_layering.py)."""
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
+
+from test_layering import graph
 
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
 # What `kvpilot.engine` and its core must import without (the server's, the operator's,
@@ -15,71 +16,10 @@ CORE = ["llm_engine", "core.scheduler", "core.kv_cache_manager", "core.block_poo
         "core.output_processor", "core.request", "config.engine", "config.args", "cli"]
 
 
-def _modules() -> dict[str, Path]:
-    mods = {}
-    for f in ENGINE.rglob("*.py"):
-        parts = ["kvpilot", "engine", *f.relative_to(ENGINE).with_suffix("").parts]
-        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
-    return mods
-
-
-def _imports(module: str, path: Path, mods: dict[str, Path]) -> set[str]:
-    """Every module `module` imports, at any depth of its code (lazy imports count too)."""
-    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = package[: len(package) - node.level + 1] if node.level else []
-            target = ".".join(base + (node.module.split(".") if node.module else []))
-            submodules = {f"{target}.{a.name}" for a in node.names} & set(mods)
-            # `from . import x` needs the package only as x's parent, which every import has.
-            found.update(submodules or {target})
-    return found - {module}
-
-
 def _graph() -> dict[str, set[str]]:
-    mods = _modules()
-    return {m: _imports(m, p, mods) for m, p in mods.items()}
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    out: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in graph[v] & graph.keys():
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while (w := stack.pop()) != v:
-                component.append(w)
-            if component:
-                out.append(sorted([v, *component]))
-
-    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return out
-
-
-def test_the_engine_has_no_import_cycles():
-    assert _cycles(_graph()) == []
-
-
-def test_the_cycle_finder_finds_a_cycle():
-    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    """The engine's part of kvpilot's import graph (tests/project/test_layering.py builds it,
+    and checks it for cycles, in-function imports included)."""
+    return {m: deps for m, deps in graph().items() if m.startswith("kvpilot.engine")}
 
 
 def test_the_engine_never_imports_the_operator_and_its_core_never_the_server():
