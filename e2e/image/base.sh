@@ -5,9 +5,10 @@
 # covers this file (suite, mirrors, packages, options): the image is made once and reused
 # until this file changes. Prints the image's name as the last line of stdout.
 #
-# Usage: e2e/image/base.sh [full|slim]   (root; run by e2e/image/build.sh with BUILDAH set)
-#   full  the engine image's base (a C compiler for Triton), the default
-#   slim  the operator image's base: the interpreter and CA certificates only
+# Usage: e2e/image/base.sh [full|slim|runtime]   (root; run by e2e/image/build.sh with BUILDAH set)
+#   full     the engine image's base (a C compiler for Triton), the default
+#   slim     where the operator image's virtualenv is made: the interpreter and python3-venv
+#   runtime  the operator image itself: the interpreter and CA certificates only
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/lib.sh"
@@ -27,7 +28,8 @@ variant=${1:-full}
 case $variant in
     full) PACKAGES=python3,python3-venv,ca-certificates,gcc,libc6-dev,python3-dev ;;
     slim) PACKAGES=python3,python3-venv,ca-certificates ;;
-    *) log "unknown base variant $variant (full or slim)"; exit 1 ;;
+    runtime) PACKAGES=python3,ca-certificates ;;
+    *) log "unknown base variant $variant (full, slim or runtime)"; exit 1 ;;
 esac
 # Documentation, man pages and translations are never read in a container (as Debian's
 # own "slim" images do); copyright files stay.

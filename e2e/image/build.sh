@@ -64,11 +64,13 @@ main() {
     # lock no other build of ours is running, and nothing else here uses buildah's storage.
     $BUILDAH rm --all >/dev/null 2>&1 || true
 
-    local base slim bases
+    local base slim runtime bases
     base=$("$here/base.sh" full | tail -n1)
     slim=$("$here/base.sh" slim | tail -n1)
+    runtime=$("$here/base.sh" runtime | tail -n1)
     bases="base $($BUILDAH inspect --type image --format '{{.FromImageID}}' "$base")"
     bases="$bases slim $($BUILDAH inspect --type image --format '{{.FromImageID}}' "$slim")"
+    bases="$bases runtime $($BUILDAH inspect --type image --format '{{.FromImageID}}' "$runtime")"
     for target in "${targets[@]}"; do
         build_target "$target"
     done
@@ -96,7 +98,7 @@ build_target() {
     log "building $name (inputs $hash, storage $driver); the first build takes minutes"
     start=$SECONDS
     $BUILDAH bud --layers --pull=never -f "$repo/Containerfile" --target "$target" \
-        --build-arg "BASE=$base" --build-arg "SLIM_BASE=$slim" "${secret[@]}" \
+        --build-arg "BASE=$base" --build-arg "SLIM_BASE=$slim" --build-arg "RUNTIME_BASE=$runtime" "${secret[@]}" \
         --label "org.opencontainers.image.version=$version" \
         --label "org.opencontainers.image.title=kvpilot-$target" \
         --label "dev.kvpilot.image.inputs=$hash" \
