@@ -42,7 +42,7 @@ DPKG_OPTS=(
     --dpkgopt='path-include=/usr/share/locale/locale.alias'
 )
 
-hash=$( (sha256sum "${BASH_SOURCE[0]}"; echo "$variant") | sha256sum | cut -c1-12)
+hash=$( (sha256sum < "${BASH_SOURCE[0]}"; echo "$variant") | sha256sum | cut -c1-12)  # of the content: not the clone's path
 image=localhost/kvpilot/base:$SUITE-$variant-$hash
 buildah=${BUILDAH:-buildah}
 
