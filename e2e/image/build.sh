@@ -94,7 +94,7 @@ build_target() {
     # A certificate bundle for pip: the host's, which may hold a proxy's CA.
     cert=${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}
     [[ -s $cert ]] && secret=(--secret "id=pip-cert,src=$cert")
-    make_room "$cache" "$version"
+    make_room "$cache" "$version" "$target"
     log "building $name (inputs $hash, storage $driver); the first build takes minutes"
     start=$SECONDS
     $BUILDAH bud --layers --pull=never -f "$repo/Containerfile" --target "$target" \
@@ -126,12 +126,12 @@ build_target() {
 # the build cache: the next build is slower) and archives go first; the base stays.
 MIN_FREE_GIB=${KVPILOT_IMAGE_MIN_FREE_GIB:-30}
 make_room() {
-    local cache=$1 version=$2 free
+    local cache=$1 version=$2 target=$3 free
     free=$(free_gib "$cache")
     [[ -n $free ]] && ((free < MIN_FREE_GIB)) || return 0
-    log "only ${free} GiB free (a build may need ${MIN_FREE_GIB}): removing earlier builds' images and archives"
-    rm -f "$cache"/kvpilot-*.oci.tar
-    $BUILDAH rmi --force "localhost/kvpilot/engine:$version" "localhost/kvpilot/operator:$version" >/dev/null 2>&1 || true
+    log "only ${free} GiB free (a build may need ${MIN_FREE_GIB}): removing earlier builds of $target"
+    rm -f "$cache"/kvpilot-"$target"-*.oci.tar  # the other target's archive may be in use
+    $BUILDAH rmi --force "localhost/kvpilot/$target:$version" >/dev/null 2>&1 || true
     $BUILDAH rmi --prune >/dev/null 2>&1 || true  # the dangling layers of earlier builds
     free=$(free_gib "$cache")
     log "now ${free} GiB free"
