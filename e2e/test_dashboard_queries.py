@@ -81,7 +81,7 @@ def test_dashboard_panels_show_data_on_kvpilot(cluster, tuned_operator, namespac
     m["metadata"]["namespace"] = namespace
     m["spec"]["engine"]["maxNumSeqs"] = 8  # so some of the load waits
     m["spec"]["autotune"]["mode"] = "Auto"
-    m["spec"]["autotune"]["prometheus"]["url"] = cluster.prometheus_url
+    m["spec"].setdefault("autotune", {}).setdefault("prometheus", {})["url"] = cluster.prometheus_url
     name, model = m["metadata"]["name"], m["spec"]["model"]["servedName"]
     cluster.apply(m)
 

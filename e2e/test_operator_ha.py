@@ -127,7 +127,7 @@ def simulated_llmd(cluster, namespace: str) -> str:
     from test_operator import ROOT
     m = yaml.safe_load((ROOT / SIMULATED).read_text())
     m["metadata"]["namespace"] = namespace
-    m["spec"]["autotune"]["prometheus"]["url"] = cluster.prometheus_url
+    m["spec"].setdefault("autotune", {}).setdefault("prometheus", {})["url"] = cluster.prometheus_url
     cluster.apply(m)
     return m["metadata"]["name"]
 

@@ -32,7 +32,7 @@ def apply_example(cluster, kube, namespace: str, wait_for, path: Path) -> tuple[
     its object once Ready."""
     m = yaml.safe_load(path.read_text())
     m["metadata"]["namespace"] = namespace
-    m["spec"]["autotune"]["prometheus"]["url"] = cluster.prometheus_url
+    m["spec"].setdefault("autotune", {}).setdefault("prometheus", {})["url"] = cluster.prometheus_url
     name = m["metadata"]["name"]
     cluster.apply(m)
 
