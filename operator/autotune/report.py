@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import datetime as _dt
 
+from pydantic.alias_generators import to_camel, to_snake
+
 from ..api.status import AdviceStatus, AutotuneStatus, DecisionStatus, ModelMemory, SnapshotStatus
 from .advice import Advice
 from .capacity import CapacityPlan
@@ -19,9 +21,6 @@ from .history import History, HistoryEntry, Observation
 from .planner import fit
 from .signals import MetricsSnapshot
 
-_CAMEL = {"max_num_seqs": "maxNumSeqs", "max_model_len": "maxModelLen", "replicas": "replicas",
-          "num_speculative_tokens": "numSpeculativeTokens"}
-_SNAKE = {v: k for k, v in _CAMEL.items()}
 
 
 def rfc3339(t: float) -> str:
@@ -35,7 +34,7 @@ def _parse_time(text: str) -> float:
 def decision_status(d: Decision, applied: bool | None = None, verified: bool | None = None) -> DecisionStatus:
     return DecisionStatus(
         time=rfc3339(d.time), diagnosis=d.diagnosis.value, action=d.action.value,
-        change={_CAMEL[k]: [int(a), int(b)] for k, (a, b) in d.change.items()},
+        change={to_camel(k): [int(a), int(b)] for k, (a, b) in d.change.items()},  # as the spec spells it
         reason=d.reason, applied=applied, target=d.target,
         baseline=None if d.baseline is None else round(d.baseline, 4),
         throughput_baseline=None if d.throughput_baseline is None else round(d.throughput_baseline, 2),
@@ -111,7 +110,7 @@ def history_from_status(status: dict | None, limit: int = 20) -> History:
             continue  # not written by the autotuner (the schema leaves them optional)
         d = Decision(
             time=_parse_time(item.time), diagnosis=Diagnosis(item.diagnosis), action=Action(item.action),
-            reason=item.reason, change={_SNAKE[k]: (v[0], v[1]) for k, v in item.change.items()},
+            reason=item.reason, change={to_snake(k): (v[0], v[1]) for k, v in item.change.items()},
             target=item.target, baseline=item.baseline, throughput_baseline=item.throughput_baseline,
         )
         entries.append(HistoryEntry(d, applied=bool(item.applied),

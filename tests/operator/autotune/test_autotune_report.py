@@ -3,6 +3,7 @@
 from dataclasses import replace
 
 from kvpilot.operator.autotune import (
+    Decision,
     TABLE_HEADER, TINY_FLOAT32, Action, Bounds, Diagnosis, History, Range, Settings, MetricsSnapshot,
     build_report, decide, format_table_row, history_from_status, plan_capacity,
 )
@@ -76,3 +77,18 @@ def test_table_row():
     assert len(TABLE_HEADER.split()) == 15
     empty = format_table_row(T0, None, 64, 2048, 1, None)
     assert empty.split()[1:5] == ["-", "-", "-", "-"]
+
+
+def test_every_tunable_setting_round_trips_through_the_status():
+    """A change to any live setting is written as the spec spells it and read back: a setting
+    missing from a hand-kept table once made the whole autotune step fail whenever the chunk
+    size (max_num_batched_tokens) moved."""
+    change = {"max_num_seqs": (64, 48), "max_model_len": (2048, 1024), "replicas": (1, 2),
+              "num_speculative_tokens": (4, 2), "max_num_batched_tokens": (8192, 2048)}
+    d = Decision(time=T0, diagnosis=Diagnosis.TPOT_BOUND, action=Action.CHANGE, reason="test", change=change)
+    out = build_report(d, History().record(d, applied=True)).dump()
+    assert out["lastDecision"]["change"] == {
+        "maxNumSeqs": [64, 48], "maxModelLen": [2048, 1024], "replicas": [1, 2],
+        "numSpeculativeTokens": [4, 2], "maxNumBatchedTokens": [8192, 2048]}
+    (back,) = history_from_status(out).entries
+    assert back.decision.change == change
