@@ -34,6 +34,7 @@ from .scale_in import scale_in_when_calm
 from .signals import MetricsSnapshot
 from .speculation import speculation_change
 from .steps import (len_target, lower_seqs, lower_seqs_for_tpot, raise_seqs, round_up, seqs_ceiling,
+                    steps_from_running,
                     tpot_blocks_raise)
 from .verify import ago, fmt_change, judge_last_change, signal, throughput_baseline
 
@@ -237,9 +238,9 @@ def _act(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds: Bounds
         if new is not None and not blocked:
             why = (f" toward the {capacity.max_concurrent_seqs} sequences that fit"
                    if capacity is not None and capacity.max_concurrent_seqs < cur.max_num_seqs else "")
-            if 1 <= s.num_running and math.ceil(s.num_running) < math.floor(cur.max_num_seqs * t.seq_decrease):
+            if steps_from_running(cur.max_num_seqs, capacity, t, s.num_running):
                 why += (f" (only {s.num_running:.1f} run at once: the cache, not max_num_seqs, "
-                        f"limits admission, so the cap above that binds nothing)")
+                        f"limits admission, so the step is taken from the running count)")
             return ({"max_num_seqs": (cur.max_num_seqs, new)}, "preemptions_per_s",
                     f"lower max_num_seqs {cur.max_num_seqs} -> {new}{why}", diagnosis)
         note = blocked or f"max_num_seqs already at its minimum {bounds.max_num_seqs.min}"

@@ -11,21 +11,29 @@ from .decision import Bounds, Settings, Thresholds
 from .signals import MetricsSnapshot
 
 
-def lower_seqs(cur: Settings, bounds: Bounds, capacity: CapacityPlan | None, t: Thresholds,
-                running: float | None = None) -> int | None:
-    """x seq_decrease, or toward the capacity bound (at most halving). When fewer sequences
-    run (mean over the window) than that step would leave, the cache is what limits
-    admission and the cap above the running count changes nothing: go down to the running
-    count (or what fits, if more) at once. Otherwise each bounded step would be a change
-    that moves nothing, and its verification would judge noise."""
-    n = cur.max_num_seqs
-    new = math.floor(n * t.seq_decrease)
+def preemption_step(width: int, capacity: CapacityPlan | None, t: Thresholds) -> int:
+    """width x seq_decrease, or toward the capacity bound, but never below width x seq_max_decrease."""
+    new = math.floor(width * t.seq_decrease)
     if capacity is not None and capacity.max_concurrent_seqs < new:
-        new = max(capacity.max_concurrent_seqs, math.floor(n * t.seq_max_decrease))
-    if running is not None and running >= 1 and math.ceil(running) < new:
-        fits = capacity.max_concurrent_seqs if capacity is not None else 0
-        new = max(math.ceil(running), min(fits, new), 1)
-    new = bounds.max_num_seqs.clamp(min(new, n - 1))
+        new = max(capacity.max_concurrent_seqs, math.floor(width * t.seq_max_decrease))
+    return new
+
+
+def steps_from_running(n: int, capacity: CapacityPlan | None, t: Thresholds, running: float | None) -> bool:
+    """Whether no more sequences run (mean over the window) than a step from the cap would
+    leave: the cache, not the cap, limits admission, and a cap above the running count
+    changes nothing."""
+    return running is not None and running >= 1 and math.ceil(running) <= preemption_step(n, capacity, t)
+
+
+def lower_seqs(cur: Settings, bounds: Bounds, capacity: CapacityPlan | None, t: Thresholds,
+               running: float | None = None) -> int | None:
+    """One preemption step down from the cap, or from the running count when a step from the
+    cap would bind nothing: such a change cannot help, and its verification would judge
+    noise or a load still ramping up (and revert it)."""
+    n = cur.max_num_seqs
+    width = math.ceil(running) if steps_from_running(n, capacity, t, running) else n
+    new = bounds.max_num_seqs.clamp(min(preemption_step(width, capacity, t), n - 1))
     return new if new < n else None
 
 
