@@ -20,16 +20,28 @@ $(VENV)/.installed: pyproject.toml
 
 dev: $(VENV)/.installed
 
+# The demo's own process drives the cluster, the load and the plot: the operator's packages and
+# matplotlib, not torch (a few hundred MB instead of several GB). `make dev` adds the rest.
+$(VENV)/.installed-demo: pyproject.toml
+	@test -x $(PY) || (cd / && $(PYTHON) -m venv $(CURDIR)/$(VENV))
+	$(VENV)/bin/pip install --upgrade --quiet pip
+	$(VENV)/bin/pip install --progress-bar on -e '.[demo]'
+	@touch $@
+
 lint: dev
 	$(VENV)/bin/ruff check .
 
-# Prints the 20 slowest tests and the whole run's time, so a CI log shows where its minutes go.
+# The e2e tests (e2e/, the local cluster) with the unit tests (tests/) beside them under nice:
+# the e2e tests mostly wait on pods and the autotuner's windows. Prints each part's 20 slowest
+# tests and the whole run's time, so a CI log shows where its minutes go. JOBS: xdist workers
+# for the unit tests.
+JOBS ?= 2
 test: dev lint node-deps
-	@start=$$(date +%s); $(VENV)/bin/pytest -q --durations=20 tests e2e; rc=$$?; \
-	echo "make test: $$(( $$(date +%s) - start )) s for pytest (exit $$rc)"; exit $$rc
+	@JOBS=$(JOBS) e2e/test-all.sh
 
+# The unit tests alone: no cluster, no GPU; xdist over the machine's cores.
 test-fast: dev
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q -n $(JOBS) --durations=20 tests
 
 # kvpilot's two images from the Containerfile's targets, kvpilot/operator:<version> (no torch)
 # and kvpilot/engine:<version>, built on this machine without a registry (buildah; Debian bases
@@ -40,7 +52,7 @@ image: node-deps
 
 # The product's front door: local cluster, chart, a mis-tuned LLMDeployment in mode Auto,
 # load and a live table until the autotuner fixes it; KEEP=1 leaves it all running.
-demo: dev node-deps
+demo: $(VENV)/.installed-demo node-deps
 	$(PY) e2e/demo.py
 
 # The headline benchmark. First, in virtual time on a SIMULATED H100 (minutes): a day of

@@ -5,8 +5,12 @@
     namespace      a fresh namespace for one test, Pod Security `restricted` enforced
                    (deleted afterwards)
     wait_for       the polling helper (predicate, timeout, interval)
-    tuned_operator module-scoped: the chart's operator installed with a 1 s resync
-                   (skips without Prometheus); yields its kube client
+    shared_operator session-scoped SharedOperator: one chart install reused by every module
+                   that asks for the same settings (`.get(resync, values)` returns its kube
+                   client; a module that kills or reconfigures the operator sets
+                   SPOILS_OPERATOR = True, and the next module gets a fresh install)
+    tuned_operator module-scoped: the shared operator with a 1 s resync (skips without
+                   Prometheus); yields its kube client
 
 The first run on a machine builds Kubernetes from the Go module proxy (see
 e2e/README.md); later runs start the cluster in well under a minute."""
@@ -25,6 +29,16 @@ from localcluster import LocalCluster, wait_for as _wait_for  # noqa: E402
 from localcluster.build import (ensure_binaries, ensure_images, ensure_keda,  # noqa: E402
                                 ensure_node_binaries, ensure_prometheus)
 
+IMAGES = pytest.StashKey[list]()  # (name, OCI archive) of the images built for this session
+
+
+
+def image_targets(items) -> tuple[str, ...]:
+    """kvpilot's images the selected tests need: the operator's always (the operator, the
+    gateway and simulated pods run it); the engine's (torch, several GB) only where a module
+    runs the real engine, which it says with ENGINE_IMAGE = True."""
+    modules = {i.module for i in items if getattr(i, "module", None) is not None}
+    return ("operator", "engine") if any(getattr(m, "ENGINE_IMAGE", False) for m in modules) else ("operator",)
 
 
 def pytest_collection_finish(session):
@@ -37,7 +51,8 @@ def pytest_collection_finish(session):
         ensure_binaries()
         ensure_node_binaries()
         ensure_prometheus()
-        ensure_images()  # kvpilot's own images: every pod runs from one of them
+        # kvpilot's own images: every pod runs from one of them
+        session.config.stash[IMAGES] = ensure_images(image_targets(session.items))
         if any(Path(str(i.path)).name == "test_keda.py" for i in session.items):
             ensure_keda()  # KEDA's first build is long too; only when its test runs
 
@@ -46,7 +61,8 @@ def pytest_collection_finish(session):
 def cluster(request, tmp_path_factory):
     if os.geteuid() != 0:
         pytest.skip("the local cluster needs root (network and mount namespaces)")
-    c = LocalCluster(tmp_path_factory.mktemp("localcluster"))
+    images = request.config.stash.get(IMAGES, None)
+    c = LocalCluster(tmp_path_factory.mktemp("localcluster"), images=images)
     # Shown live (not captured): the first run builds Kubernetes, with progress.
     capman = request.config.pluginmanager.getplugin("capturemanager")
     with capman.global_and_fixture_disabled():
@@ -72,10 +88,46 @@ def wait_for():
     return _wait_for
 
 
+class SharedOperator:
+    """The chart's operator, installed once for every module that asks for the same settings:
+    an install waits for the last one's namespace to go and for two operator pods to start,
+    about 20 s on this host, and most modules want the same one."""
+
+    def __init__(self, cluster: LocalCluster, wait_for):
+        self.cluster, self.wait_for = cluster, wait_for
+        self.key: tuple | None = None
+        self.install = None  # the installed_operator context manager in use
+        self.kube = None
+
+    def get(self, resync_interval: float, values: dict | None = None):
+        from test_operator import installed_operator, operator_ready  # a test module's helpers
+        key = (resync_interval, tuple(sorted((values or {}).items())))
+        if key == self.key and self.kube is not None and operator_ready(self.kube):
+            return self.kube
+        self.release()
+        install = installed_operator(self.cluster, self.wait_for, resync_interval=resync_interval, values=values)
+        self.kube = install.__enter__()
+        self.install, self.key = install, key
+        return self.kube
+
+    def release(self) -> None:
+        """Uninstall (the next get() installs afresh)."""
+        install, self.install, self.key = self.install, None, None
+        if install is not None:
+            install.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def shared_operator(cluster, wait_for):
+    shared = SharedOperator(cluster, wait_for)
+    yield shared
+    shared.release()
+
+
 @pytest.fixture(scope="module")
-def tuned_operator(cluster, wait_for):
-    from test_operator import installed_operator  # a test module's helper; imported when first used
+def tuned_operator(request, cluster, shared_operator):
     if not cluster.prometheus_url:
         pytest.skip("the local cluster runs without Prometheus")
-    with installed_operator(cluster, wait_for, resync_interval=1) as kube:
-        yield kube
+    yield shared_operator.get(resync_interval=1)
+    if getattr(request.module, "SPOILS_OPERATOR", False):
+        shared_operator.release()

@@ -3,7 +3,9 @@
   1. a local Kubernetes (.cluster/; reused when one is already up there; the first
      run on a machine builds etcd, kube-* and Prometheus from source, with progress)
   2. the operator installed from the Helm chart
-  3. the real engine: builtin:tiny on this CPU answers one completion
+  3. with REAL_ENGINE=1 (or --real-engine), the real engine: builtin:tiny on this CPU
+     answers one completion (that pod runs the engine image, torch and all: building it
+     the first time adds about ten minutes, so the default story leaves it out)
   4. a SIMULATED H100 80GB serving Llama-3.1-8B (the real scheduler, KV cache manager,
      server, metrics, operator, Prometheus and Kubernetes; only the forward pass is a
      timing model), started with max_num_seqs 8 and loaded by 48 users; after one
@@ -48,11 +50,13 @@ class Demo:
 
     def run(self) -> int:
         t_all = time.monotonic()
-        self.cluster, self.started_cluster = ks.open_cluster(Path(self.args.cluster_dir))
+        targets = ("operator", "engine") if self.args.real_engine else ("operator",)
+        self.cluster, self.started_cluster = ks.open_cluster(Path(self.args.cluster_dir), targets)
         ks.install_operator(self.cluster, values={"gateway.enabled": "true"})
         timing = replace(FULL, deadline_s=self.args.deadline, settle_s=self.args.settle,
                          warmup_s=self.args.warmup, every_s=self.args.every)
-        self.story = Story(self.cluster, timing, Path(self.args.out), via_gateway=True)
+        self.story = Story(self.cluster, timing, Path(self.args.out), via_gateway=True,
+                           real_engine=self.args.real_engine)
         result = self.story.run()
         print()
         for line in result.summary:
@@ -95,6 +99,10 @@ def main() -> int:
                     help=f"seconds nobody may wait, with no change, to count as fixed (default {FULL.settle_s:.0f})")
     ap.add_argument("--warmup", type=float, default=FULL.warmup_s,
                     help=f"seconds of load, mis-tuned, before autotune.mode becomes Auto (default {FULL.warmup_s:.0f})")
+    ap.add_argument("--real-engine", action="store_true",
+                    default=os.environ.get("REAL_ENGINE", "") not in ("", "0"),
+                    help="first, the real engine on this CPU answers one completion (builds the engine "
+                         "image, several GB, on first use; also REAL_ENGINE=1)")
     ap.add_argument("--keep", action="store_true", default=os.environ.get("KEEP", "") not in ("", "0"),
                     help="leave everything running (also KEEP=1)")
     args = ap.parse_args()

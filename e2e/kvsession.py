@@ -68,18 +68,19 @@ def run_to_exit_code(job, what: str) -> int:
         job.cleanup()
 
 # --- cluster ------------------------------------------------------------------------
-def open_cluster(workdir: Path) -> tuple[LocalCluster, bool]:
+def open_cluster(workdir: Path, targets: tuple[str, ...] = ("operator", "engine")) -> tuple[LocalCluster, bool]:
     """(cluster, started_here): attaches to a running cluster in `workdir`, else starts
-    one there (building the binaries on first use, with progress)."""
+    one there (building the binaries on first use, with progress), with kvpilot's images
+    `targets` (ensure_images) imported."""
     if (workdir / "state.json").exists():
         c = LocalCluster.attach(workdir)
         if c.running() and c.state.get("running"):
             log(f"reusing the local cluster in {workdir} (importing this checkout's image if it changed)")
-            c.import_images(ensure_images())
+            c.import_images(ensure_images(targets))
             return c, False
     log(f"starting a local cluster in {workdir} (the first run on a machine builds Kubernetes, "
         "containerd, CoreDNS, Prometheus and kvpilot's image: progress below)")
-    c = LocalCluster(workdir, detached=True)
+    c = LocalCluster(workdir, detached=True, images=ensure_images(targets))
     c.start()
     return c, True
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 import kvsession as ks
-from test_operator import OPERATOR_NS, diagnose, installed_operator
+from test_operator import OPERATOR_NS, diagnose
 
 pytestmark = pytest.mark.e2e
 
@@ -31,19 +31,20 @@ def simulated(ns: str, name: str, replicas: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def gateway(cluster, wait_for):
+def gateway(cluster, shared_operator, wait_for):
     values = {"gateway.enabled": "true", "gateway.refreshInterval": "1"}
-    with installed_operator(cluster, wait_for, resync_interval=5, values=values) as kube:
-        def ready():
-            pods = kube.get(f"/api/v1/namespaces/{OPERATOR_NS}/pods",
-                            params={"labelSelector": GATEWAY_SELECTOR})["items"]
-            return [p for p in pods if not p["metadata"].get("deletionTimestamp") and any(
-                c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))]
-        try:
-            (pod,) = wait_for(ready, timeout=180, interval=1, what="the gateway pod to be Ready")[:1]
-        except TimeoutError:
-            raise AssertionError(diagnose(cluster, OPERATOR_NS)) from None
-        yield kube, f"http://{pod['status']['podIP']}:8000"
+    kube = shared_operator.get(resync_interval=5, values=values)
+
+    def ready():
+        pods = kube.get(f"/api/v1/namespaces/{OPERATOR_NS}/pods",
+                        params={"labelSelector": GATEWAY_SELECTOR})["items"]
+        return [p for p in pods if not p["metadata"].get("deletionTimestamp") and any(
+            c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))]
+    try:
+        (pod,) = wait_for(ready, timeout=180, interval=1, what="the gateway pod to be Ready")[:1]
+    except TimeoutError:
+        raise AssertionError(diagnose(cluster, OPERATOR_NS)) from None
+    return kube, f"http://{pod['status']['podIP']}:8000"
 
 
 def ready_pods(kube, ns: str, name: str) -> list[str]:
@@ -149,9 +150,11 @@ def test_a_replica_vanishing_mid_stream_fails_that_stream_only(cluster, gateway,
 
 
 def test_scale_to_zero_by_the_autotuner_and_back_by_the_gateway(cluster, gateway, namespace, wait_for):
-    """A real tiny-model deployment with minReplicas 0: idle for scaleToZeroAfter, the autotuner
-    scales it to zero; requests sent to the gateway meanwhile are held, the gateway sets
-    replicas to 1 through the scale subresource, and every request is answered."""
+    """A deployment with minReplicas 0 (a simulated H100: a pod starts in seconds, so the test
+    waits on the idle timer and the wake-up path, not on loading torch): idle for
+    scaleToZeroAfter, the autotuner scales it to zero; requests sent to the gateway meanwhile
+    are held, the gateway sets replicas to 1 through the scale subresource, and every request
+    is answered."""
     if not cluster.prometheus_url:
         pytest.skip("the local cluster runs without Prometheus")
     kube, url = gateway
@@ -159,10 +162,11 @@ def test_scale_to_zero_by_the_autotuner_and_back_by_the_gateway(cluster, gateway
     cluster.apply({
         "apiVersion": "serving.kvpilot.dev/v1alpha1", "kind": "LLMDeployment",
         "metadata": {"name": name, "namespace": namespace},
-        "spec": {"model": {"source": "builtin:tiny", "servedName": name},
-                 "engine": {"maxModelLen": 512, "maxNumSeqs": 16},
-                 "resources": {"gpus": 0, "cpu": "1", "memory": "1Gi"}, "replicas": 1,
-                 "autoscaling": {"minReplicas": 0, "maxReplicas": 1, "scaleToZeroAfter": "30s"},
+        "spec": {"model": {"servedName": name},
+                 "engine": {"maxModelLen": 512, "maxNumSeqs": 16,
+                            "simulate": {"accelerator": "h100-80gb", "model": "llama-3.1-8b"}},
+                 "resources": {"gpus": 1, "cpu": "100m", "memory": "512Mi"}, "replicas": 1,
+                 "autoscaling": {"minReplicas": 0, "maxReplicas": 1, "scaleToZeroAfter": "20s"},
                  "autotune": {"mode": "Auto", "interval": "5s", "window": "15s", "cooldown": "10s",
                               "prometheus": {"url": cluster.prometheus_url}}}})
     llmd_path = f"/apis/serving.kvpilot.dev/v1alpha1/namespaces/{namespace}/llmdeployments/{name}"

@@ -40,6 +40,7 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="building (buildah, mmdebstrap) and running "
                        "(runc) the image need root on this machine"),
 ]
+ENGINE_IMAGE = True  # both images are tested here
 
 
 def _version() -> str:

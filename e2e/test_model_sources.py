@@ -21,22 +21,22 @@ import httpx
 import pytest
 import yaml
 
-from test_operator import READY_TIMEOUT, condition, diagnose, installed_operator, llmd
+from test_operator import READY_TIMEOUT, condition, diagnose, llmd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hub_server import HubServer  # noqa: E402
 from s3_server import S3Server  # noqa: E402
 
 pytestmark = pytest.mark.e2e
+ENGINE_IMAGE = True  # real engine pods (builtin:tiny): conftest builds the engine image
 TOKEN = "hf_kvpilot_e2e_token"
 REPO = "acme/tiny"
 THROTTLE = 2 * 1024 * 1024  # bytes/s: the ~21 MB model downloads in about 10 s
 
 
 @pytest.fixture(scope="module")
-def operator(cluster, wait_for):
-    with installed_operator(cluster, wait_for, resync_interval=1) as kube:
-        yield kube
+def operator(shared_operator):
+    return shared_operator.get(resync_interval=1)
 
 
 @pytest.fixture(scope="module")

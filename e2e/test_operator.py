@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 pytestmark = pytest.mark.e2e
+ENGINE_IMAGE = True  # real engine pods (builtin:tiny): conftest builds the engine image
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "kvpilot"
@@ -151,9 +152,8 @@ def installed_operator(cluster, wait_for, resync_interval: float = 10, values: d
 
 
 @pytest.fixture(scope="module")
-def operator(cluster, wait_for):
-    with installed_operator(cluster, wait_for) as kube:
-        yield kube
+def operator(shared_operator):
+    return shared_operator.get(resync_interval=1)  # conftest's tuned_operator, without Prometheus
 
 
 @pytest.fixture(scope="module")

@@ -27,11 +27,13 @@ from fakeprom import FakePrometheus
 from kvpilot.operator.autotune.hook import SERIES_LABEL
 from localcluster.ports import free_port
 from localcluster.restart import restart_apiserver
-from test_autotune import Load, applied_changes, autotune, events, trail
+from tiny_autotune import Load, applied_changes, autotune, events, trail
 from test_operator import (OPERATOR_NS, condition, diagnose, engine_pods, is_ready, llmd, operator_leader,
                            operator_ready, tuning)
 
 pytestmark = pytest.mark.e2e
+ENGINE_IMAGE = True  # real engine pods (builtin:tiny): conftest builds the engine image
+SPOILS_OPERATOR = True  # it kills the operator mid-change and restarts the API server: the next module installs afresh
 
 FAULT_EXIT_CODE = 86  # kvpilot.operator.runtime.faults.EXIT_CODE
 READY_S = 300

@@ -28,11 +28,13 @@ import uuid
 import httpx
 import pytest
 import yaml
-from test_autotune import (Load, auto_once_loaded, autotune, cleanup, deploy, events,
+from tiny_autotune import (Load, auto_once_loaded, autotune, cleanup, deploy, events,
                            trail, until)
 from test_operator import CHART, OPERATOR_NS, RELEASE, condition, diagnose, helm_binary, llmd
 
 pytestmark = pytest.mark.e2e
+ENGINE_IMAGE = True  # real engine pods (builtin:tiny): conftest builds the engine image
+SPOILS_OPERATOR = True  # it kills the leader and scales the operator: the next module installs afresh
 
 LEASE = f"/apis/coordination.k8s.io/v1/namespaces/{OPERATOR_NS}/leases/{RELEASE}"
 SA = f"system:serviceaccount:{OPERATOR_NS}:{RELEASE}"

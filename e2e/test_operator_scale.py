@@ -9,7 +9,7 @@ import pytest
 
 from scale_fleet import (QUERIES_PER_SNAPSHOT, Scrape, fleet, fleet_member, last_decision, operator_metrics_url, operator_pod,
                          quantile_bound, ready_count)
-from test_operator import diagnose, installed_operator
+from test_operator import diagnose
 
 pytestmark = pytest.mark.e2e
 
@@ -19,12 +19,10 @@ RESYNC_S = 2
 
 
 @pytest.fixture(scope="module")
-def scale_operator(cluster, wait_for):
+def scale_operator(cluster, shared_operator):
     if not cluster.prometheus_url:
         pytest.skip("the local cluster runs without Prometheus")
-    with installed_operator(cluster, wait_for, resync_interval=RESYNC_S,
-                            values={"maxConcurrentReconciles": 8}) as kube:
-        yield kube
+    return shared_operator.get(resync_interval=RESYNC_S, values={"maxConcurrentReconciles": 8})
 
 
 def test_twenty_deployments_are_each_autotuned_every_interval(cluster, scale_operator, namespace, wait_for):

@@ -15,6 +15,7 @@ from demo_story import FAST, Story
 from test_operator import condition, diagnose
 
 pytestmark = pytest.mark.e2e
+ENGINE_IMAGE = True  # real engine pods (builtin:tiny): conftest builds the engine image
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "llmdeployment-simulated.yaml"

@@ -65,13 +65,20 @@ KVPILOT_IMAGE = f"docker.io/kvpilot/engine:{PROJECT_VERSION}"  # the real engine
 KVPILOT_OPERATOR_IMAGE = f"docker.io/kvpilot/operator:{PROJECT_VERSION}"  # operator, gateway, simulated pods
 
 
-def ensure_images() -> list[tuple[str, Path]]:
-    """kvpilot's own images (`make image`, e2e/image/build.sh) as (name, OCI archive), the
-    operator's and the engine's: built on the first run and after any change to what goes
-    into them."""
-    r = subprocess.run([str(E2E_DIR / "image" / "build.sh"), "operator", "engine"],
+IMAGE_REFS = {"operator": KVPILOT_OPERATOR_IMAGE, "engine": KVPILOT_IMAGE}
+
+
+def ensure_images(targets: tuple[str, ...] = ("operator", "engine")) -> list[tuple[str, Path]]:
+    """kvpilot's own images (`make image`, e2e/image/build.sh) as (name, OCI archive): the
+    operator's (the operator, the gateway and simulated pods) and, where real engine pods
+    run, the engine's (torch, several GB: built only for what needs it). Built on the first
+    run and after any change to what goes into them."""
+    unknown = set(targets) - set(IMAGE_REFS)
+    if unknown:
+        raise ValueError(f"targets: unknown image target(s) {sorted(unknown)}; known: {sorted(IMAGE_REFS)}")
+    r = subprocess.run([str(E2E_DIR / "image" / "build.sh"), *targets],
                        stdout=subprocess.PIPE, stderr=None, text=True)
     if r.returncode != 0:
         raise RuntimeError("building kvpilot's images failed (see the output above)")
-    operator, engine = r.stdout.strip().splitlines()[-2:]
-    return [(KVPILOT_OPERATOR_IMAGE, Path(operator)), (KVPILOT_IMAGE, Path(engine))]
+    archives = r.stdout.strip().splitlines()[-len(targets):]
+    return [(IMAGE_REFS[t], Path(a)) for t, a in zip(targets, archives)]

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# `make test`: the unit tests (tests/) and the cluster tests (e2e/) side by side.
+#
+# The e2e tests spend most of their time waiting: on pods, on the autotuner's windows, on
+# Prometheus. The unit tests fill that time: they run beside them under `nice` (the cluster,
+# its pods and the e2e driver come first), on $JOBS xdist workers, with their output kept in
+# a file and printed once both are done. Each part prints its 20 slowest tests; the last line
+# is the whole run's time. Exit status: non-zero when either part failed.
+set -u
+cd "$(dirname "$0")/.."
+JOBS=${JOBS:-2}
+PYTEST=${PYTEST:-.venv/bin/pytest}
+start=$(date +%s)
+out=$(mktemp -d "${TMPDIR:-/tmp}/kvpilot-test.XXXXXX")
+trap 'rm -rf "$out"' EXIT
+
+nice -n 10 "$PYTEST" -q -n "$JOBS" --durations=20 tests > "$out/unit.log" 2>&1 &
+unit=$!
+# Ctrl-C or a kill stops both parts.
+trap 'kill -INT $unit 2>/dev/null; wait $unit 2>/dev/null; rm -rf "$out"; exit 130' INT TERM
+
+echo "unit tests (tests/): running beside the e2e tests; their output follows the e2e tests'"
+"$PYTEST" -q --durations=20 e2e
+e2e_rc=$?
+e2e_s=$(( $(date +%s) - start ))
+wait $unit
+unit_rc=$?
+echo
+echo "================ unit tests (tests/), run beside the e2e tests ================"
+cat "$out/unit.log"
+echo "make test: $(( $(date +%s) - start )) s in all; e2e ${e2e_s} s (exit $e2e_rc); unit tests exit $unit_rc"
+[ "$e2e_rc" -eq 0 ] && [ "$unit_rc" -eq 0 ]
