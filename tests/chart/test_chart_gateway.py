@@ -71,7 +71,7 @@ def test_default_gateway_deployment(helm):  # noqa: F811
     assert c["args"] == ["--port=8000", "--routing=prefix", "--load-factor=1.25", "--per-replica-concurrency=256",
                          "--queue-timeout=60", "--scale-from-zero-timeout=300", "--retries=2", "--refresh-interval=1", "--scrape-interval=1",
                          "--no-log-prompts", "--first-byte-timeout=30", "--response-timeout=600",
-                         "--stream-idle-timeout=120", "--metrics-access=auto"]
+                         "--stream-idle-timeout=120", "--write-timeout=30", "--metrics-access=auto"]
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     for probe in ("readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
@@ -130,7 +130,7 @@ def test_flags_follow_values(helm):  # noqa: F811
     assert c["args"] == ["--port=9000", "--routing=least-loaded", "--load-factor=1.5",
                          "--per-replica-concurrency=64", "--queue-timeout=5", "--scale-from-zero-timeout=300", "--retries=0", "--refresh-interval=1",
                          "--scrape-interval=1", "--log-prompts", "--first-byte-timeout=30", "--response-timeout=600",
-                         "--stream-idle-timeout=120", "--metrics-access=auto"]
+                         "--stream-idle-timeout=120", "--write-timeout=30", "--metrics-access=auto"]
     assert c["ports"][0]["containerPort"] == 9000
 
 
