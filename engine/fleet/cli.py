@@ -22,7 +22,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--phase", action="append", default=None, metavar="SPEC",
                      help='a phase of generated traffic, e.g. "duration=600 rate=4 input=uniform:128:1024 '
                           'output=lognormal:200:0.8 burstiness=1 prefix_len=0"; repeat for more phases')
-    src.add_argument("--scenario", default=None, metavar="NAME", type=_scenario_name,
+    from .scenarios import SCENARIOS  # light: the parser has its trace and config modules already
+
+    src.add_argument("--scenario", default=None, metavar="NAME", choices=tuple(SCENARIOS),
                      help="the trace of a named, seeded scenario: day, preemption, long-max-model-len, "
                           "scheduler-bound (kvpilot sim scenarios lists them with the accelerator and "
                           "settings `kvpilot autotune contest` runs them on)")
@@ -55,16 +57,6 @@ def load_trace_from_args(args, max_context: int | None):
                         rate_scale=args.trace_rate_scale, block_size=args.trace_block_size,
                         max_context=None if args.no_clip else max_context)
     return load_trace(args.trace, opts)
-
-
-def _scenario_name(text: str) -> str:
-    """--scenario's check at parse time, so a wrong name is argparse's one line naming the
-    flag and the choices (the scenarios module is imported only when the flag is given)."""
-    from .scenarios import SCENARIOS
-
-    if text not in SCENARIOS:
-        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(map(repr, SCENARIOS))})")
-    return text
 
 
 def trace_from_args(args, max_len: int | None, context: int | None = None):
