@@ -7,7 +7,10 @@ resume_writing. A client that stops reading never brings that resume: the handle
 in `send` forever, holding its request (the gateway: a queue slot and a replica's stream),
 and closing the transport would wait for the same buffer to drain. So writing that stays
 paused for `timeout` seconds aborts the connection: uvicorn sees it lost, `send` returns,
-the request's disconnect watcher fires, and everything the request held is freed."""
+the request's disconnect watcher fires, and everything the request held is freed. A
+connection closed (after its response, or by the keep-alive timer) with bytes its client
+has not taken gets the same deadline: close() alone would hold it open until they drain,
+and a client that never reads a small answer would keep its connection for ever."""
 
 from __future__ import annotations
 
@@ -23,10 +26,17 @@ def with_write_deadline(protocol: type, timeout: float, flag: str) -> type:
 
     class WriteDeadline(protocol):
         _write_timer: asyncio.TimerHandle | None = None
+        _lost = False
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(_ClosingTransport(transport, self._arm_write_deadline))
 
         def pause_writing(self) -> None:
             super().pause_writing()
-            if self._write_timer is None:
+            self._arm_write_deadline()
+
+        def _arm_write_deadline(self) -> None:
+            if self._write_timer is None and not self._lost:
                 self._write_timer = self.loop.call_later(timeout, self._write_deadline_passed)
 
         def resume_writing(self) -> None:
@@ -34,6 +44,7 @@ def with_write_deadline(protocol: type, timeout: float, flag: str) -> type:
             super().resume_writing()
 
         def connection_lost(self, exc) -> None:
+            self._lost = True
             self._cancel_write_deadline()
             super().connection_lost(exc)
 
@@ -50,3 +61,20 @@ def with_write_deadline(protocol: type, timeout: float, flag: str) -> type:
 
     WriteDeadline.__name__ = WriteDeadline.__qualname__ = f"WriteDeadline{protocol.__name__}"
     return WriteDeadline
+
+
+class _ClosingTransport:
+    """The transport as the protocol sees it: close() with bytes still unsent also calls
+    `on_close_pending` (which arms the deadline); everything else is the transport's."""
+
+    def __init__(self, transport, on_close_pending) -> None:
+        self._transport = transport
+        self._on_close_pending = on_close_pending
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        self._transport.close()
+        if self._transport.get_write_buffer_size():
+            self._on_close_pending()
