@@ -77,8 +77,34 @@ def _version() -> str:
         return "unknown"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse failing like a tool: a wrong value is one line naming the flag (and, for a
+    choice, the valid ones). Only an unrecognized flag (a typo) or a missing required one
+    (argparse checks those first, so a typo of a required flag reads so) also prints the
+    usage of the (sub)command it was given to, which lists its flags. Subcommands' parsers
+    are of this class too (argparse makes them with their parent's class)."""
+
+    def error(self, message: str):
+        if message.startswith(("unrecognized arguments", "the following arguments are required")) \
+                or message.endswith(" is required"):  # one of a required group
+            self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _log_level_everywhere(parser: argparse.ArgumentParser) -> None:
+    """Let --log-level follow any subcommand too (`kvpilot serve --log-level debug`), as
+    users type it; unset there, the top level's value stands."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in set(action.choices.values()):
+                if "--log-level" not in child._option_string_actions:
+                    child.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper,
+                                       choices=LOG_LEVELS, help="as before the subcommand")
+                _log_level_everywhere(child)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpilot", description=__doc__)
+    parser = _Parser(prog="kvpilot", description=__doc__)
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -138,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim_cli.add_parser(sub)
     for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
         ep.load()(sub)
+    _log_level_everywhere(parser)
     return parser
 
 
@@ -151,27 +178,33 @@ def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser = subs[0].choices[chosen]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Like parse_args, but an unknown flag is reported with the usage of the subcommand
-    it was given to (argparse reports it with the top-level usage, which does not list
-    the subcommand's flags)."""
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, str]:
+    """The arguments and the chosen subcommand's prog (`kvpilot bench serve`). An unknown
+    flag is reported with the usage of the subcommand it was given to (argparse reports it
+    with the top-level usage, which does not list the subcommand's flags)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    chosen = _chosen_parser(parser, args)
     if extra:
-        _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
-    return args
+        chosen.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args, chosen.prog
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Like argparse's parse_args, with _parse's errors."""
+    return _parse(argv)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Errors are a line on stderr and a non-zero exit, never a traceback: 2 for a wrong
     invocation (argparse's, or a ValueError naming the flag), 1 for anything else (its
     traceback with --log-level DEBUG), 130 for Ctrl-C."""
-    args = parse_args(argv)
+    args, prog = _parse(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
     except ValueError as exc:
-        print(f"kvpilot: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kvpilot: interrupted", file=sys.stderr)
@@ -179,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 (a command's failure is one line; DEBUG shows where)
         logging.getLogger("kvpilot").debug("%s failed", args.command, exc_info=True)
         detail = str(exc).splitlines()[0] if str(exc) else ""
-        print(f"kvpilot: error: {type(exc).__name__}{': ' + detail if detail else ''}"
+        print(f"{prog}: error: {type(exc).__name__}{': ' + detail if detail else ''}"
               f"{'' if args.log_level == 'DEBUG' else ' (--log-level DEBUG shows the traceback)'}",
               file=sys.stderr)
         return 1

@@ -329,7 +329,8 @@ class LLMEngine:
         return EngineStats(
             executor_counters=self.runner.counters(),
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=self.scheduler.num_queued,
+            num_preempted_waiting=self.scheduler.num_preempted_waiting,
             kv_cache_usage=self.kv_cache.usage,
             num_kv_blocks=self.kv_cache.num_blocks,
             num_preemptions_total=self.scheduler.num_preemptions,

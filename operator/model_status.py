@@ -23,11 +23,13 @@ from .api.conditions import Problem, now_iso
 from .manifests.model_download import INIT_CONTAINER, remote_source
 from .api.spec import LLMDeploymentSpec
 from .api.status import Condition, ModelDownloadStatus
+from .model_size import ModelSize
 
 log = logging.getLogger(__name__)
 
 MODEL_READY = "ModelReady"
 RETRY_FAILED_S = 30.0  # a failed resolution is asked again at most this often
+RETRY_SIZING_S = 300.0  # an s3:// prefix that could not be listed (the pods run meanwhile)
 LogReader = Callable[[str, str], Optional[str]]  # (pod, container) -> the log's last line
 
 
@@ -49,10 +51,12 @@ def hub_token(kube, namespace: str, spec: LLMDeploymentSpec) -> str | None:
 
 
 def resolve_revision(spec: LLMDeploymentSpec, prev: ModelDownloadStatus | None, token: Callable[[], str | None],
-                     now: datetime | None = None) -> ModelDownloadStatus | None:
+                     now: datetime | None = None,
+                     s3_size: Callable[[], ModelSize] | None = None) -> ModelDownloadStatus | None:
     """status.model for the spec's source: kept while the source is the one pinned; for a new
     hf:// source, the commit its revision names now (or the failure, retried every
-    RETRY_FAILED_S). None for sources that are not downloaded."""
+    RETRY_FAILED_S); for an s3:// source, its size as `s3_size` lists it (unknown: retried
+    every RETRY_SIZING_S). None for sources that are not downloaded."""
     src = remote_source(spec)
     if src is None:
         return None
@@ -60,7 +64,9 @@ def resolve_revision(spec: LLMDeploymentSpec, prev: ModelDownloadStatus | None, 
     endpoint = spec.model.hf.endpoint if spec.model.hf is not None else None
     same = prev is not None and prev.source == src
     if src.startswith("s3://"):
-        return prev if same else ModelDownloadStatus(source=src, phase="Pending", progress="Pending")
+        cache = spec.model.cache  # a PVC, or a size given: nothing to size
+        wanted = cache is None or not (cache.claim_name or cache.size_limit)
+        return _sized(src, prev if same else None, s3_size if wanted else None, now)
     if same and prev.revision:
         return prev
     if same and prev.phase == "Failed" and prev.checked_at and \
@@ -81,6 +87,31 @@ def resolve_revision(spec: LLMDeploymentSpec, prev: ModelDownloadStatus | None, 
         return _failed(src, "FilesMissing", f"{src}: no config.json at commit {listing.key}", checked)
     return ModelDownloadStatus(source=src, revision=listing.key, phase="Pending", progress="Pending",
                        bytes_total=listing.total_bytes, files=len(listing.files), checked_at=checked)
+
+
+def _sized(src: str, prev: ModelDownloadStatus | None, s3_size: Callable[[], ModelSize] | None,
+           now: datetime) -> ModelDownloadStatus:
+    """An s3:// source's status with its size listed once (a failed listing is asked again
+    after RETRY_SIZING_S; the pods roll once when it succeeds, to the right cache size)."""
+    base = prev or ModelDownloadStatus(source=src, phase="Pending", progress="Pending")
+    if s3_size is None or (prev is not None and prev.checked_at and (
+            prev.sizing is None or (now - _parse(prev.checked_at)).total_seconds() < RETRY_SIZING_S)):
+        return base
+    found = s3_size()
+    update = {"sizing": found.note, "checked_at": now.strftime("%Y-%m-%dT%H:%M:%SZ")}
+    if found.bytes is not None:
+        update.update(bytes_total=found.bytes, files=found.files)
+    return base.model_copy(update=update)
+
+
+def sized_bytes(status: ModelDownloadStatus | None) -> int | None:
+    """The bytes that size the download cache: the listing's, made up front (hf://, or s3://
+    once listed); never what pods reported after downloading (that would roll them)."""
+    if status is None or status.source is None:
+        return None
+    if status.source.startswith("s3://") and (status.checked_at is None or status.sizing is not None):
+        return None
+    return status.bytes_total
 
 
 def _failed(src: str, reason: str, message: str, checked: str) -> ModelDownloadStatus:
@@ -190,7 +221,7 @@ def model_progress(status: ModelDownloadStatus, pods: list[dict], read_last_line
     if status.phase == "Ready" and not any(_init_status(p) for p in pods):
         # No pod now (scaled to zero, or between rollouts): the model stays resolved and fetched.
         return status, _condition(True, "Ready", status.message or f"{at}: downloaded"), []
-    message = f"{at}: waiting for a pod to start downloading"
+    message = f"{at}: waiting for a pod to start downloading" + (f" ({status.sizing})" if status.sizing else "")
     new = status.model_copy(update={"phase": "Pending", "progress": "Pending", "message": message,
                                     "reason": None})
     return new, _condition(False, "Pending", message), []

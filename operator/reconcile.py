@@ -16,7 +16,8 @@ from .api.conditions import CORE_CONDITIONS, Problem, Rollout, status_from
 from .manifests.deployment import build_deployment, pvc_claim
 from .manifests.objects import (Owner, build_configmap, build_pdb, build_service, effective_settings, endpoint_url,
                       selector_string)
-from .model_status import MODEL_READY, hub_token, model_progress, resolve_revision, unresolved
+from .model_size import s3_credentials, s3_model_size
+from .model_status import MODEL_READY, hub_token, model_progress, resolve_revision, sized_bytes, unresolved
 from .pod_health import pod_problems
 from .manifests.simulate import simulated_summary
 from .api.spec import LLMDeploymentSpec
@@ -155,7 +156,9 @@ def reconcile(kube: Kube, body, hook: AutotuneHook | None = None) -> Result:
     effective = effective_settings(spec, tuned)
     pods = kube.list_pods(owner.namespace, selector_string(owner))
     model, model_condition = None, None
-    if (model := resolve_revision(spec, prev.model, lambda: hub_token(kube, owner.namespace, spec))) is not None:
+    if (model := resolve_revision(spec, prev.model, lambda: hub_token(kube, owner.namespace, spec),
+                                  s3_size=lambda: s3_model_size(
+                                      spec, lambda: s3_credentials(kube, owner.namespace, spec)))) is not None:
         model, model_condition, model_problems = model_progress(
             model, pods, lambda pod, container: kube.last_log_line(owner.namespace, pod, container))
         problems += model_problems
@@ -225,7 +228,7 @@ def apply_owned(kube: Kube, owner: Owner, spec: LLMDeploymentSpec, effective: Ef
     else:
         deployment = kube.apply(build_deployment(owner, spec, effective.replicas,
                                                  model.revision if model is not None else None,
-                                                 model.bytes_total if model is not None else None),
+                                                 sized_bytes(model)),
                                 live=before, live_read=True)
     kube.apply(build_service(owner, spec))
     pdb = build_pdb(owner, effective.replicas)

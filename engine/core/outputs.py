@@ -63,7 +63,7 @@ class EngineStats:
     """A point-in-time view for metrics: gauges plus monotonically growing counters."""
 
     num_running: int
-    num_waiting: int
+    num_waiting: int  # new arrivals not yet started: what the server's queue cap bounds
     kv_cache_usage: float  # fraction of KV blocks held by requests
     num_kv_blocks: int
     num_preemptions_total: int
@@ -77,3 +77,11 @@ class EngineStats:
     prompt_tokens_cached_total: int = 0  # of prompt_tokens_total, supplied by the prefix cache
     spec_decode: Any = None  # the speculator's SpecDecodeStats (a copy), when speculation is configured
     num_speculative_tokens: int | None = None  # in effect (live-tunable), when configured
+    # Preempted (KV dropped for recompute) and waiting to resume: admitted already, so they
+    # are not in num_waiting (the cap bounds that) but count against the cap at admission.
+    num_preempted_waiting: int = 0
+
+    @property
+    def num_queued(self) -> int:
+        """Everything in the scheduler's waiting queue: what admission counts against the cap."""
+        return self.num_waiting + self.num_preempted_waiting

@@ -65,6 +65,9 @@ class Scheduler:
         self.unfinished: dict[Request, None] = {}  # an insertion-ordered set
         self._freed: list[Request] = []  # handed to the next output that has work
         self.num_preemptions = 0
+        # Of `waiting`, the requests preempted back into it (they resume first). They are
+        # not new arrivals: the server's queue cap bounds the others (see num_queued).
+        self.num_preempted_waiting = 0
 
     def add_request(self, request: Request) -> None:
         """Queue a new request (the engine's add_request checked its id, once)."""
@@ -74,6 +77,11 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.unfinished)
+
+    @property
+    def num_queued(self) -> int:
+        """Waiting requests not yet started (new arrivals): `waiting` less the preempted."""
+        return len(self.waiting) - self.num_preempted_waiting
 
     def schedule(self) -> SchedulerOutput:
         now = self.clock.now()
@@ -120,6 +128,8 @@ class Scheduler:
             if self.kv_cache.allocate_slots(request, num_new, hit_blocks) is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
+            if request.status is RequestStatus.PREEMPTED:
+                self.num_preempted_waiting -= 1
             self.kv_cache.record_prefix_lookup(request.num_tokens, num_hit)
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens is None:
@@ -142,6 +152,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.num_preempted_waiting += 1
         self.waiting.appendleft(request)
 
     def update(self, out: SchedulerOutput, sampled_requests: list[Request],
@@ -182,6 +193,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+            if request.status is RequestStatus.PREEMPTED:
+                self.num_preempted_waiting -= 1
         request.status = status
         request.times.finished = self.clock.now()
         self.kv_cache.free(request)

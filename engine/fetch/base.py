@@ -26,7 +26,7 @@ TRANSIENT = (UNREACHABLE, SOURCE_CHANGED)
 
 class ModelFetchError(ValueError):
     """A model that cannot be fetched, with the cause in one line (a ValueError, so the CLI
-    prints it as `kvpilot: error: ...` and exits 2)."""
+    prints it as `kvpilot fetch-model: error: ...` and exits 2)."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)

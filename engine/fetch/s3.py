@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,18 +74,30 @@ def _errors() -> tuple[type[BaseException], ...]:
     return (BotoCoreError, ClientError)
 
 
-def s3_listing(source: S3Source, selection: FileSelection, options: S3Options) -> Listing:
+def s3_listing(source: S3Source, selection: FileSelection, options: S3Options, client=None,
+               deadline: float | None = None) -> Listing:
     """The objects under the prefix to fetch; the listing's digest names the snapshot, so a
-    changed object is a new snapshot and an unchanged prefix is found in the cache."""
+    changed object is a new snapshot and an unchanged prefix is found in the cache.
+    `client`: an S3 client (default: options.client()); `deadline` (time.monotonic()):
+    no page is asked for after it (UNREACHABLE), for a caller that may not wait long."""
     root = f"{source.prefix}/" if source.prefix else ""
     objects = {}
+    page: dict = {}
     try:
-        pages = options.client().get_paginator("list_objects_v2").paginate(Bucket=source.bucket, Prefix=root)
-        for page in pages:
+        client = client or options.client()
+        while True:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ModelFetchError(UNREACHABLE, f"{source.uri}: listing the prefix took too long "
+                                                   f"({len(objects)} objects so far)")
+            token = page.get("NextContinuationToken")
+            page = client.list_objects_v2(Bucket=source.bucket, Prefix=root,
+                                          **({"ContinuationToken": token} if token else {}))
             for obj in page.get("Contents") or []:
                 name = obj["Key"][len(root):]
                 if name and not name.endswith("/"):
                     objects[name] = obj
+            if not page.get("IsTruncated") or not page.get("NextContinuationToken"):
+                break
     except _errors() as e:
         raise s3_error(e, source, options) from None
     files = []

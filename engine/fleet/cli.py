@@ -22,7 +22,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--phase", action="append", default=None, metavar="SPEC",
                      help='a phase of generated traffic, e.g. "duration=600 rate=4 input=uniform:128:1024 '
                           'output=lognormal:200:0.8 burstiness=1 prefix_len=0"; repeat for more phases')
-    src.add_argument("--scenario", default=None, metavar="NAME",
+    from .scenarios import SCENARIOS  # light: the parser has its trace and config modules already
+
+    src.add_argument("--scenario", default=None, metavar="NAME", choices=tuple(SCENARIOS),
                      help="the trace of a named, seeded scenario: day, preemption, long-max-model-len, "
                           "scheduler-bound (kvpilot sim scenarios lists them with the accelerator and "
                           "settings `kvpilot autotune contest` runs them on)")

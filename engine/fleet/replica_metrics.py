@@ -56,6 +56,7 @@ class ReplicaMetrics:
     max_model_len: int
     running: float = 0.0
     waiting: float = 0.0
+    preempted: float = 0.0  # waiting to resume after a preemption (not in waiting)
     kv_usage: float = 0.0
     max_num_seqs: float = 0.0
     max_model_len_live: float = 0.0
@@ -114,6 +115,7 @@ class ReplicaMetrics:
 
     def record_stats(self, s: EngineStats) -> None:
         self.running, self.waiting, self.kv_usage = s.num_running, s.num_waiting, s.kv_cache_usage
+        self.preempted = s.num_preempted_waiting
         self.max_num_seqs, self.max_model_len_live = s.max_num_seqs, s.max_model_len
         c = self.counters
         c["vllm:num_preemptions_total"] = s.num_preemptions_total
@@ -181,6 +183,7 @@ class ReplicaMetrics:
         own = {"model_name": self.model_name}
         out = [Sample("vllm:num_requests_running", base, self.running),
                Sample("vllm:num_requests_waiting", base, self.waiting),
+               Sample("kvpilot:num_requests_preempted", base, self.preempted),
                *[Sample("vllm:num_requests_waiting_by_reason", {**base, "reason": r},
                         self.waiting if r == "capacity" else 0.0) for r in WAITING_REASONS],
                *[Sample("vllm:engine_sleep_state", {**base, "sleep_state": st}, 1.0 if st == "awake" else 0.0)

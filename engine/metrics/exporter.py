@@ -39,7 +39,12 @@ class ServerMetrics:
             return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
 
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        # New arrivals only, so it never passes --max-queued-requests; requests preempted
+        # back into the queue are the next gauge (vLLM counts them here; it has no cap).
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.preempted_waiting = gauge(
+            "kvpilot:num_requests_preempted", "Requests preempted (KV dropped for recompute) and waiting "
+            "to resume; in neither vllm:num_requests_running nor vllm:num_requests_waiting.")
         by_reason = Gauge("vllm:num_requests_waiting_by_reason",
                           "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
                           "scheduling capacity; 'deferred' = deferred by transient constraints. Sum of all "
@@ -153,6 +158,7 @@ class ServerMetrics:
         """Gauges take the current value; counters grow by the change since the last call."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
+        self.preempted_waiting.set(stats.num_preempted_waiting)
         self.waiting_by_reason["capacity"].set(stats.num_waiting)  # nothing here is deferred
         self.kv_usage.set(stats.kv_cache_usage)
         self.max_num_seqs.set(stats.max_num_seqs)

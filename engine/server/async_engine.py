@@ -111,12 +111,13 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Waiting requests at the engine's last publish (the gauge's value)."""
+        """Queued requests, new and preempted, at the engine's last publish."""
         return self._waiting[0]
 
     @property
     def queue_length(self) -> int:
-        """Waiting sequences in the engine, plus adds it took since it last published (a
+        """Waiting sequences in the engine (preempted ones included: they count against the
+        cap, so the gauge of new arrivals stays within it), plus adds it took since it last published (a
         step can run for a while between the two: without them, a burst arriving then was
         admitted past the cap), plus adds not yet handed to it. A request the engine took
         may be counted twice for a moment, never zero times."""
@@ -234,7 +235,7 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         stats = self.engine.stats()
-        self._waiting = (stats.num_waiting, 0)
+        self._waiting = (stats.num_queued, 0)
         self.metrics.record_stats(stats)
 
     def _post(self, batch: list[StreamUpdate]) -> None:

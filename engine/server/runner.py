@@ -22,6 +22,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .errors import APIError
 from .serving_common import ServerState
+from .write_deadline import with_write_deadline
 
 log = logging.getLogger("kvpilot.server")
 
@@ -155,7 +156,8 @@ def run_server(app, state: ServerState, host: str, port: int, *, access_log: boo
     config = uvicorn.Config(
         app, host=host, port=port, log_config=None, access_log=access_log, log_level=log_level,
         timeout_graceful_shutdown=5, timeout_keep_alive=5,
-        http=header_deadline_protocol(state.settings.limits.header_read_timeout),
+        http=with_write_deadline(header_deadline_protocol(state.settings.limits.header_read_timeout),
+                                 state.settings.limits.write_timeout, "--write-timeout"),
     )
     server = DrainingServer(config, state)
     asyncio.run(server.serve())

@@ -27,7 +27,7 @@ EXTRA_FLAGS = ("--attention-backend", "--body-read-timeout", "--cpu-threads", "-
                "--max-queued-requests", "--max-request-body-bytes", "--no-enforce-eager",
                "--pipeline-micro-batches", "--record-steps", "--seed", "--simulate-bandwidth-gbps",
                "--simulate-calibration", "--simulate-memory", "--simulate-spec-acceptance",
-               "--simulate-spec-draft-cost", "--simulate-tflops")
+               "--simulate-spec-draft-cost", "--simulate-tflops", "--write-timeout")
 # An item starting with '-' (but not a negative number) is a flag: one of EXTRA_FLAGS, alone or
 # as FLAG=VALUE.
 EXTRA_ARG_RULE = ("self.all(a, !a.startsWith('-') || a.matches('^-[0-9.]') || a in %s || "

@@ -61,7 +61,8 @@ class ModelCache(Model):
     size_limit: Optional[Bytes] = Field(
         default=None,
         description="The emptyDir cache's sizeLimit and the pods' ephemeral-storage request (e.g. "
-                    "40Gi); default: the hf:// model's files plus 10% and 1Gi, or 20Gi for s3://. "
+                    "40Gi); default: the model's files (listed up front) plus 10% and 1Gi, or 20Gi for an "
+                    "s3:// prefix the operator cannot list (status.model.sizing says why). "
                     "Unused with claimName.")
 
 

@@ -171,6 +171,9 @@ class ModelDownloadStatus(Model):
     message: Optional[str] = Field(default=None, max_length=2048, description="The download, in words.")
     checked_at: Optional[str] = Field(default=None, json_schema_extra={"format": "date-time"},
                                       description="When the operator last asked the source.")
+    sizing: Optional[str] = Field(default=None, max_length=1024, description=(
+        "s3://: why the model's size is unknown (the operator could not list the prefix in time), "
+        "so the download cache keeps its default size; unset once the listing sized it."))
 
 
 class LLMDeploymentStatus(Model):

@@ -104,7 +104,7 @@ async def serve(settings: GatewaySettings) -> int:
         config = uvicorn.Config(gateway, host=settings.host, port=settings.port, log_level="warning",
                                 access_log=False, lifespan="on", timeout_keep_alive=75,
                                 http=edge_protocol(settings.header_read_timeout, settings.max_header_bytes,
-                                                   settings.max_headers))
+                                                   settings.max_headers, settings.write_timeout))
         try:
             await uvicorn.Server(config).serve()
         finally:

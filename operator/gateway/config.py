@@ -64,6 +64,9 @@ class GatewaySettings:
         "help": "seconds a connection has to deliver a request's headers; then it is closed (408)"})
     body_read_timeout: float = field(default=30.0, metadata={
         "help": "seconds a request has to deliver its body once its headers are in; then 408"})
+    write_timeout: float = field(default=30.0, metadata={
+        "help": "seconds a client may leave its response unread (the gateway's write buffer full) "
+        "before it is dropped, freeing its slot and its replica's stream"})
     max_header_bytes: int = field(default=32 << 10, metadata={
         "help": "largest request line plus headers accepted (431 above)"})
     max_headers: int = field(default=100, metadata={"help": "most request headers accepted (431 above)"})
@@ -95,6 +98,7 @@ class GatewaySettings:
             "eject_max_seconds": self.eject_seconds <= self.eject_max_seconds <= 86400,
             "header_read_timeout": 0 < self.header_read_timeout <= 3600,
             "body_read_timeout": 0 < self.body_read_timeout <= 3600,
+            "write_timeout": 0 < self.write_timeout <= 3600,
             "max_header_bytes": 1024 <= self.max_header_bytes <= 1 << 20,
             "max_headers": 1 <= self.max_headers <= 10000,
             "refresh_interval": 0.05 <= self.refresh_interval <= 3600,

@@ -11,6 +11,7 @@ import re
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvpilot.engine.server.errors import APIError
+from kvpilot.engine.server.write_deadline import with_write_deadline
 
 from .relay import ClientGone
 
@@ -26,9 +27,11 @@ def _raw_error(status: int, reason: bytes, message: str) -> bytes:
             b"content-length: %d\r\n\r\n%s" % (status, reason, len(body), body))
 
 
-def edge_protocol(header_timeout: float, max_header_bytes: int, max_headers: int) -> type[HttpToolsProtocol]:
+def edge_protocol(header_timeout: float, max_header_bytes: int, max_headers: int,
+                  write_timeout: float) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol (the fast one the gateway runs on) with the engine's
-    header discipline: a new connection, or a request once its first byte came, has
+    discipline: a client that reads nothing of its response for `write_timeout` seconds
+    is dropped (write_deadline.py); a new connection, or a request once its first byte came, has
     `header_timeout` seconds to complete its headers (then 408 and the connection closes;
     uvicorn alone restarts its timer on every byte, so a trickle held a connection
     forever); request line plus headers over `max_header_bytes`, or more than
@@ -120,7 +123,7 @@ def edge_protocol(header_timeout: float, max_header_bytes: int, max_headers: int
                     f"the request headers did not arrive within {header_timeout:g} s (--header-read-timeout)")))
             self.transport.close()
 
-    return EdgeHttpToolsProtocol
+    return with_write_deadline(EdgeHttpToolsProtocol, write_timeout, "--write-timeout")
 
 
 def check_framing(scope) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 # vLLM's gauges, as every kvpilot engine pod exports them.
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
+PREEMPTED = "kvpilot:num_requests_preempted"  # waiting too, outside vLLM's gauge (queue cap)
 KV_USAGE = "vllm:kv_cache_usage_perc"
 
 
@@ -53,8 +54,9 @@ class Replica:
 
 
 def parse_load(text: str, now: float) -> ReplicaLoad:
-    """The three gauges from a Prometheus text exposition (summed over label sets)."""
-    values = {RUNNING: 0.0, WAITING: 0.0, KV_USAGE: 0.0}
+    """The load gauges from a Prometheus text exposition (summed over label sets); requests
+    preempted back into a pod's queue count as waiting."""
+    values = {RUNNING: 0.0, WAITING: 0.0, PREEMPTED: 0.0, KV_USAGE: 0.0}
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -71,5 +73,6 @@ def parse_load(text: str, now: float) -> ReplicaLoad:
             values[name] += float(rest.split()[0])
         except (IndexError, ValueError):
             continue
-    return ReplicaLoad(running=values[RUNNING], waiting=values[WAITING], kv_usage=values[KV_USAGE],
+    return ReplicaLoad(running=values[RUNNING], waiting=values[WAITING] + values[PREEMPTED],
+                       kv_usage=values[KV_USAGE],
                        scraped_at=now)

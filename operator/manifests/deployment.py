@@ -26,6 +26,11 @@ MODELS_DIR = "/models"
 SCRATCH_DIR = "/scratch"
 CACHE_DIR = "/var/cache/kvpilot"
 MODELS_CACHE_DIR = f"{CACHE_DIR}/models"  # hf:// and s3:// models (model_download.py)
+# The pod's own writable space, bounded so no writer can fill a node's disk (the root
+# filesystem is read-only): scratch is HOME and TMPDIR (torch's and Triton's caches,
+# temporary files), cache the compiled kernels. The container requests SCRATCH_REQUEST of
+# ephemeral storage for them and its logs, plus the model cache it downloads into.
+SCRATCH_LIMIT, KERNEL_CACHE_LIMIT, SCRATCH_REQUEST = "4Gi", "2Gi", 2**30
 RUN_AS = 65532
 PRESTOP_SLEEP_S = 5
 SECCOMP = {"type": "RuntimeDefault"}
@@ -123,8 +128,7 @@ def resources(spec: LLMDeploymentSpec, model_cache: int | None = None) -> dict:
     if r.gpus:
         name = r.gpu_resource_name or DEFAULT_GPU_RESOURCE
         requests[name] = limits[name] = str(r.gpus)
-    if model_cache:
-        requests["ephemeral-storage"] = str(model_cache)
+    requests["ephemeral-storage"] = str(SCRATCH_REQUEST + (model_cache or 0))
     return {"requests": requests, "limits": limits}
 
 
@@ -203,8 +207,8 @@ def build_pod_template(owner: Owner, spec: LLMDeploymentSpec, model_revision: st
               {"name": "tmp", "mountPath": SCRATCH_DIR},
               {"name": "cache", "mountPath": CACHE_DIR}]
     volumes = [tuning_volume(owner, spec),
-               {"name": "tmp", "emptyDir": {}},
-               {"name": "cache", "emptyDir": {}}]
+               {"name": "tmp", "emptyDir": {"sizeLimit": SCRATCH_LIMIT}},
+               {"name": "cache", "emptyDir": {"sizeLimit": KERNEL_CACHE_LIMIT}}]
     if model_volume is not None:
         mounts.append(model_mount)
         volumes.append(model_volume)
@@ -221,8 +225,11 @@ def build_pod_template(owner: Owner, spec: LLMDeploymentSpec, model_revision: st
         "env": env, "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         # Model loads can be slow: up to 15 minutes before liveness applies.
         "startupProbe": _probe("/health", 5, 180),
+        # Readiness is /health (503 once the engine failed or while draining: no new
+        # requests); liveness only asks that the server answer (/version), so a pod that
+        # drains, or whose engine failed and exits on its own, is not also killed.
         "readinessProbe": _probe("/health", 5, 3),
-        "livenessProbe": _probe("/health", 10, 6),
+        "livenessProbe": _probe("/version", 10, 6),
         "resources": resources(spec, cache), "securityContext": container_security_context(spec),
         "volumeMounts": mounts,
         # A Service's endpoints (and any router's pod list) drop a deleted pod a moment after
@@ -255,6 +262,10 @@ def build_pod_template(owner: Owner, spec: LLMDeploymentSpec, model_revision: st
         pod_spec["tolerations"] = [t.dump() for t in sched.tolerations]
     if sched.affinity is not None and sched.affinity.dump():
         pod_spec["affinity"] = sched.affinity.dump()
+    else:  # soft: replicas on different nodes where they can be (one node's loss, fewer lost)
+        pod_spec["affinity"] = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+            "weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                               "labelSelector": {"matchLabels": selector_labels(owner)}}}]}}
     if sched.priority_class_name:
         pod_spec["priorityClassName"] = sched.priority_class_name
     annotations = {**pod.annotations, "prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),

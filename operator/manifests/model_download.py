@@ -14,7 +14,8 @@ MODEL_CACHE_VOLUME = "model-cache"
 TERMINATION_LOG = "/dev/termination-log"
 
 
-# An s3:// source's size is known only once downloaded: without model.cache.sizeLimit, this.
+# An s3:// source whose prefix the operator could not list (operator/model_size.py), without
+# model.cache.sizeLimit: this.
 DEFAULT_S3_CACHE = 20 * 2**30
 GiB = 2**30
 
@@ -27,16 +28,17 @@ def literal(text: str) -> str:
 
 def cache_size(spec: LLMDeploymentSpec, model_bytes: int | None) -> int | None:
     """Bytes of the emptyDir model cache (its sizeLimit and the pods' ephemeral-storage request):
-    model.cache.sizeLimit, else an hf:// model's files plus 10% and 1 GiB in whole GiB (so a
-    figure that moves by a few bytes does not roll the pods), else DEFAULT_S3_CACHE. None with
-    a PVC cache or a source that is not downloaded."""
+    model.cache.sizeLimit, else the model's files as listed up front (hf://, or s3:// where
+    the operator could list the prefix) plus 10% and 1 GiB in whole GiB (so a figure that
+    moves by a few bytes does not roll the pods), else DEFAULT_S3_CACHE. None with a PVC
+    cache or a source that is not downloaded."""
     src, c = remote_source(spec), spec.model.cache
     if src is None or (c is not None and c.claim_name):
         return None
     if c is not None and c.size_limit is not None:
         from kvpilot.engine.config.quantity import parse_bytes
         return parse_bytes("model.cache.sizeLimit", c.size_limit)
-    if src.startswith("hf://") and model_bytes:
+    if model_bytes:
         return (-(-int(model_bytes * 1.1) // GiB) + 1) * GiB
     return DEFAULT_S3_CACHE
 

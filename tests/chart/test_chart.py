@@ -59,6 +59,10 @@ def test_default_render(helm):
     assert c["command"][0] == "kvpilot" and "operator" in c["command"]
     assert c["image"] == "kvpilot/operator:0.1.0"
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    # ephemeral storage requested and bounded, the scratch volume too (kube-score); no CPU limit
+    assert c["resources"]["requests"]["ephemeral-storage"] == "128Mi" and "cpu" not in c["resources"]["limits"]
+    assert c["resources"]["limits"]["ephemeral-storage"] == "2Gi"
+    assert {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}} in pod["volumes"]
     sc = c["securityContext"]
     assert sc["runAsNonRoot"] and not sc["allowPrivilegeEscalation"] and sc["readOnlyRootFilesystem"]
     assert sc["capabilities"] == {"drop": ["ALL"]} and sc["seccompProfile"] == {"type": "RuntimeDefault"}

@@ -71,7 +71,7 @@ def test_default_gateway_deployment(helm):  # noqa: F811
     assert c["args"] == ["--port=8000", "--routing=prefix", "--load-factor=1.25", "--per-replica-concurrency=256",
                          "--queue-timeout=60", "--scale-from-zero-timeout=300", "--retries=2", "--refresh-interval=1", "--scrape-interval=1",
                          "--no-log-prompts", "--first-byte-timeout=30", "--response-timeout=600",
-                         "--stream-idle-timeout=120", "--metrics-access=auto"]
+                         "--stream-idle-timeout=120", "--write-timeout=30", "--metrics-access=auto"]
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     for probe in ("readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
@@ -80,7 +80,10 @@ def test_default_gateway_deployment(helm):  # noqa: F811
     assert sc["capabilities"] == {"drop": ["ALL"]} and sc["seccompProfile"] == {"type": "RuntimeDefault"}
     pod = template["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 65532
-    assert c["resources"] == {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
+    # ephemeral storage requested and bounded, the scratch volume too (kube-score); no CPU limit
+    assert c["resources"] == {"requests": {"cpu": "100m", "memory": "128Mi", "ephemeral-storage": "128Mi"},
+                              "limits": {"memory": "512Mi", "ephemeral-storage": "2Gi"}}
+    assert {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}} in pod["volumes"]
     assert "KUBECONFIG" not in {e["name"] for e in c["env"]} and pod["automountServiceAccountToken"] is True
     # its own service account, not the operator's
     (sa,) = named(docs, "ServiceAccount", GW)
@@ -130,7 +133,7 @@ def test_flags_follow_values(helm):  # noqa: F811
     assert c["args"] == ["--port=9000", "--routing=least-loaded", "--load-factor=1.5",
                          "--per-replica-concurrency=64", "--queue-timeout=5", "--scale-from-zero-timeout=300", "--retries=0", "--refresh-interval=1",
                          "--scrape-interval=1", "--log-prompts", "--first-byte-timeout=30", "--response-timeout=600",
-                         "--stream-idle-timeout=120", "--metrics-access=auto"]
+                         "--stream-idle-timeout=120", "--write-timeout=30", "--metrics-access=auto"]
     assert c["ports"][0]["containerPort"] == 9000
 
 
@@ -213,7 +216,7 @@ def test_tenants_checksum_rolls_the_pods(helm):  # noqa: F811
 
 def test_network_policy_admits_the_gateway_from_its_namespace(helm):  # noqa: F811
     docs = render(helm, "--set", "networkPolicy.enabled=true", "--set", "networkPolicy.namespaces={a}")
-    (pol,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    (pol,) = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-engine")]
     peer = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NS}},
             "podSelector": {"matchLabels": gateway(docs)["spec"]["selector"]["matchLabels"]}}
     (rule,) = [r for r in pol["spec"]["ingress"] if peer in r["from"]]
@@ -251,7 +254,7 @@ def test_disabled_gateway_renders_nothing(helm):  # noqa: F811
     for d in docs:
         assert "gateway" not in d["metadata"]["name"], d["kind"]
         assert (d["metadata"].get("labels") or {}).get("app.kubernetes.io/name") != "kvpilot-gateway", d["kind"]
-    (pol,) = [d for d in render(helm, *args) if d["kind"] == "NetworkPolicy"]
+    (pol,) = [d for d in render(helm, *args) if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-engine")]
     assert len(pol["spec"]["ingress"]) == 2  # clients and Prometheus only
 
 

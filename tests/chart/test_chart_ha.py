@@ -87,7 +87,7 @@ def test_network_policy_is_off_by_default(helm):  # noqa: F811
 
 def test_network_policy_admits_only_clients_and_prometheus_to_engine_pods(helm):  # noqa: F811
     kinds = by_kind(render(helm, "--set", "networkPolicy.enabled=true", "--set", "networkPolicy.namespaces={a,b}"))
-    pols = kinds["NetworkPolicy"]
+    pols = engine_policies(kinds["NetworkPolicy"])
     assert sorted(p["metadata"]["namespace"] for p in pols) == ["a", "b"]
     spec = pols[0]["spec"]
     # selects the pods the operator makes, whatever the LLMDeployment's name
@@ -107,10 +107,38 @@ def test_network_policy_takes_the_watched_namespaces_and_custom_peers(helm):  # 
     kinds = by_kind(render(helm, "--set", "networkPolicy.enabled=true", "--set", "watchNamespaces={team-a}",
                            "--set-json", 'networkPolicy.clients=[{"namespaceSelector":{"matchLabels":{"team":"x"}}}]',
                            "--set-json", "networkPolicy.prometheus=[]", "--set", "gateway.enabled=false"))
-    (pol,) = kinds["NetworkPolicy"]
+    (pol,) = engine_policies(kinds["NetworkPolicy"])
     assert pol["metadata"]["namespace"] == "team-a"
     assert pol["spec"]["ingress"] == [{"from": [{"namespaceSelector": {"matchLabels": {"team": "x"}}}],
                                        "ports": [{"protocol": "TCP", "port": "http"}]}]
+
+
+def engine_policies(pols: list[dict]) -> list[dict]:
+    return [p for p in pols if p["metadata"]["name"].endswith("-engine")]
+
+
+def test_network_policy_admits_only_prometheus_to_the_operator_and_only_its_port_to_the_gateway(helm):  # noqa: F811
+    """kube-score pod-networkpolicy and checkov CKV2_K8S_6: the operator's and the gateway's
+    pods have a policy too (issue 39)."""
+    docs = render(helm, "--set", "networkPolicy.enabled=true", "--set", "networkPolicy.namespaces={a}")
+    pols = {p["metadata"]["name"]: p for p in by_kind(docs)["NetworkPolicy"]}
+    assert set(pols) == {"kvpilot-engine", "kvpilot-operator", "kvpilot-gateway"}
+    deployments = {d["metadata"]["name"]: d for d in by_kind(docs)["Deployment"]}
+    for name in ("kvpilot", "kvpilot-gateway"):  # each policy selects its Deployment's pods
+        pol = pols["kvpilot-operator" if name == "kvpilot" else name]
+        assert pol["metadata"]["namespace"] == "kvpilot-system" and pol["spec"]["policyTypes"] == ["Ingress"]
+        labels = deployments[name]["spec"]["template"]["metadata"]["labels"]
+        assert pol["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    (scrape,) = pols["kvpilot-operator"]["spec"]["ingress"]
+    assert scrape["ports"] == [{"protocol": "TCP", "port": "metrics"}] and scrape["from"][0]["podSelector"]
+    assert pols["kvpilot-gateway"]["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": "http"}]}]
+    docs = render(helm, "--set", "networkPolicy.enabled=true", "--set", "networkPolicy.namespaces={a}",
+                  "--set-json", "networkPolicy.prometheus=[]",
+                  "--set-json", 'networkPolicy.gatewayClients=[{"namespaceSelector":{}}]')
+    pols = {p["metadata"]["name"]: p for p in by_kind(docs)["NetworkPolicy"]}
+    assert pols["kvpilot-operator"]["spec"]["ingress"] == []  # nothing at all
+    assert pols["kvpilot-gateway"]["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": "http"}],
+                                                          "from": [{"namespaceSelector": {}}]}]
 
 
 def test_network_policy_without_namespaces_is_refused(helm):  # noqa: F811

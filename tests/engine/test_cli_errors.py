@@ -28,7 +28,53 @@ def error_lines(err: str) -> list[str]:
 
 def test_a_log_level_that_does_not_exist_is_refused(capsys):
     code, err = run_main(capsys, "--log-level", "verbose", "serve", "--model", "builtin:tiny")
-    assert code == 2 and len(error_lines(err)) == 1 and "invalid choice: 'VERBOSE'" in err
+    assert code == 2 and error_lines(err) == [err.strip()] and "invalid choice: 'VERBOSE'" in err
+
+
+def _leaves(parser, prefix=()):
+    """Every runnable subcommand's words, e.g. ("bench", "serve")."""
+    import argparse
+
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield prefix
+        return
+    for name, child in subs[0].choices.items():
+        yield from _leaves(child, (*prefix, name))
+
+
+def test_every_subcommand_refuses_a_wrong_value_in_one_line_and_shows_usage_only_for_a_typo(capsys):
+    """`kvpilot serve --log-level verbose` (and the same after any subcommand) is one line
+    naming the flag and its choices, no usage; an unknown flag prints that subcommand's
+    usage, then one error line."""
+    from kvpilot.engine.cli import LOG_LEVELS, build_parser
+
+    leaves = list(_leaves(build_parser()))
+    assert {("serve",), ("gateway",), ("operator",), ("bench", "serve"), ("sim", "run"), ("crd",)} <= set(leaves)
+    assert any(words[0] == "autotune" for words in leaves)
+    for words in leaves:
+        code, err = run_main(capsys, *words, "--log-level", "verbose")
+        prog = " ".join(("kvpilot", *words))
+        assert code == 2 and err.strip().splitlines() == [
+            f"{prog}: error: argument --log-level: invalid choice: 'VERBOSE' (choose from "
+            + ", ".join(map(repr, LOG_LEVELS)) + ")"], (words, err)
+        code, err = run_main(capsys, *words, "--definitely-not-a-flag")
+        assert code == 2 and err.startswith(f"usage: {prog} "), (words, err)
+        assert err.strip().splitlines()[-1].startswith(f"{prog}: error: "), (words, err)
+        assert len(error_lines(err)) == 1
+
+
+def test_wrong_values_of_typed_flags_are_one_line_naming_the_flag(capsys):
+    for argv, expected in (
+        (("serve", "--port", "x"), "kvpilot serve: error: argument --port: invalid int value: 'x'"),
+        (("serve", "--dtype", "f8"), "kvpilot serve: error: argument --dtype: invalid choice: 'f8'"),
+        (("sim", "run", "--scenario", "nope"), "kvpilot sim run: error: argument --scenario: invalid choice: 'nope'"),
+        (("gateway", "--port", "-"), "kvpilot gateway: error: argument --port: invalid int value"),
+        (("serve", "--log-level", "debug", "--max-queued-requests", "0", "--model", "builtin:tiny"),
+         "kvpilot serve: error: max_queued_requests must be at least 1"),
+    ):
+        code, err = run_main(capsys, *argv)
+        assert code == 2 and error_lines(err) == [err.strip()] and err.startswith(expected), (argv, err)
 
 
 def test_a_flag_typo_shows_the_subcommands_usage(capsys):
@@ -106,7 +152,7 @@ def test_an_unexpected_failure_is_one_line_and_exit_1(capsys, monkeypatch):
     parser = cli.build_parser
     monkeypatch.setattr(cli, "build_parser", lambda: _with_func(parser(), boom))
     code, err = run_main(capsys, "crd")
-    assert code == 1 and err.strip() == ("kvpilot: error: RuntimeError: disk on fire "
+    assert code == 1 and err.strip() == ("kvpilot crd: error: RuntimeError: disk on fire "
                                          "(--log-level DEBUG shows the traceback)")
 
 

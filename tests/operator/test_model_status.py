@@ -70,7 +70,7 @@ def test_the_pod_fetches_in_an_init_container_and_the_engine_reads_the_cache_off
     env = {e["name"]: e for e in pod["initContainers"][0]["env"]}
     assert env["AWS_ENDPOINT_URL"]["value"] == "http://minio:9000" and env["KVPILOT_S3_PATH_STYLE"]["value"] == "1"
     assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "s3", "key": "AWS_SECRET_ACCESS_KEY"}
-    # an s3:// model's size is unknown before it is downloaded: the default cache, requested
+    # an s3:// model whose size was not listed (test_model_size.py): the default cache, requested
     assert next(v for v in pod["volumes"] if v["name"] == "model-cache") == {
         "name": "model-cache", "emptyDir": {"sizeLimit": str(20 * 2**30)}}
     assert pod["initContainers"][0]["resources"]["requests"]["ephemeral-storage"] == str(20 * 2**30)

@@ -164,7 +164,7 @@ def test_fetch_model_command_reports_json_and_a_termination_message(s3, tmp_path
                           "--termination-log", str(term)],
                          capture_output=True, text=True, env=_cli_env(s3, tmp_path), timeout=120, cwd="/")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert "kvpilot: error: s3://models/no-config: no config.json" in bad.stderr
+    assert "kvpilot fetch-model: error: s3://models/no-config: no config.json" in bad.stderr
     assert json.loads(term.read_text())["reason"] == FILES_MISSING
 
 

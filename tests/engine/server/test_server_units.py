@@ -152,7 +152,7 @@ def test_a_request_the_engine_took_counts_against_the_queue_cap_before_the_next_
             self.waiting += 1
 
         def stats(self):
-            return SimpleNamespace(num_waiting=self.waiting)
+            return SimpleNamespace(num_waiting=self.waiting, num_queued=self.waiting)
 
     stub = StubEngine()
     engine = AsyncEngine(stub, SimpleNamespace(record_stats=lambda stats: None))

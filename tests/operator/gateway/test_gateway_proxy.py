@@ -41,7 +41,7 @@ async def gateway(backends: dict[str, list], tenants: Tenants | None = None, key
         upstream = await stack.enter_async_context(upstream_session(connect_timeout=2))
         app = Gateway(settings, table, tenants or Tenants.unrestricted(), upstream, **(keys or {}))
         await stack.enter_async_context(serving(app, port, edge_protocol(
-            settings.header_read_timeout, settings.max_header_bytes, settings.max_headers)))
+            settings.header_read_timeout, settings.max_header_bytes, settings.max_headers, settings.write_timeout)))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
                                                                    timeout=30))
         yield client, app, table

@@ -106,10 +106,11 @@ def test_parse_load_sums_label_sets_and_ignores_the_rest():
             'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
             'vllm:num_requests_waiting{model_name="m"} 7.0 1700000000000\n'
             'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n'
+            'kvpilot:num_requests_preempted{model_name="m"} 2.0\n'
             'vllm:num_requests_waiting_by_reason{reason="capacity"} 99\n'
             'garbage line without value\n')
     load = parse_load(text, now=1.0)
-    assert (load.running, load.waiting, load.kv_usage, load.scraped_at) == (5.0, 7.0, 0.5, 1.0)
+    assert (load.running, load.waiting, load.kv_usage, load.scraped_at) == (5.0, 9.0, 0.5, 1.0)  # preempted ones wait too
 
 
 def replicas(n, **loads):

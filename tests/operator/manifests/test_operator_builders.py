@@ -9,7 +9,7 @@ import yaml
 
 from kvpilot.operator.manifests.deployment import HASH_ANNOTATION, build_deployment, model_source
 from kvpilot.operator.manifests.objects import (INSTANCE_LABEL, Owner, build_configmap, build_pdb, build_service,
-                                      effective_settings, endpoint_url, selector_string)
+                                      effective_settings, endpoint_url, selector_labels, selector_string)
 from kvpilot.operator.api.fields import DEFAULT_IMAGE
 from kvpilot.operator.api.spec import LLMDeploymentSpec
 from kvpilot.operator.api.status import Effective
@@ -126,7 +126,10 @@ def test_security_context_is_restricted():
     assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
     writable = {m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")}
     assert {"/scratch", "/var/cache/kvpilot"} <= writable
-    assert all("emptyDir" in v for v in p["volumes"] if v["name"] in ("tmp", "cache"))
+    # Every writable volume is bounded (no writer fills the node's disk) and requested.
+    assert {v["name"]: v["emptyDir"] for v in p["volumes"] if v["name"] in ("tmp", "cache")} == {
+        "tmp": {"sizeLimit": "4Gi"}, "cache": {"sizeLimit": "2Gi"}}
+    assert c["resources"]["requests"]["ephemeral-storage"] == str(2**30)
 
 
 def test_pods_keep_serving_until_endpoints_drop_them():
@@ -143,15 +146,19 @@ def test_pods_keep_serving_until_endpoints_drop_them():
 
 def test_probes_startup_is_generous():
     c = container(build_deployment(OWNER, spec(), 1))
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    # Liveness differs from readiness (kube-score pod-probes-identical): a draining pod, or
+    # one whose engine failed (it exits by itself), is taken out of endpoints, not killed.
+    assert c["livenessProbe"]["httpGet"] == {"path": "/version", "port": "http"}
     s = c["startupProbe"]
     assert s["periodSeconds"] * s["failureThreshold"] >= 600
 
 
 def test_resources_cpu_and_gpu():
     c = container(build_deployment(OWNER, spec(resources={"cpu": "500m", "memory": "1Gi"}), 1))
-    assert c["resources"] == {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "1Gi"}}
+    assert c["resources"] == {"requests": {"cpu": "500m", "memory": "1Gi", "ephemeral-storage": str(2**30)},
+                              "limits": {"memory": "1Gi"}}
     g = build_deployment(OWNER, spec(resources={"gpus": 2, "cpu": 4, "memory": "32Gi"},
                                      engine={"gpuMemoryUtilization": 0.85}), 1)
     c = container(g)
@@ -217,6 +224,11 @@ def test_scheduling_passes_through():
     p = pod(build_deployment(OWNER, s, 1))
     assert p["nodeSelector"] == {"gpu": "h100"} and p["affinity"] == {"nodeAffinity": {"x": 1}}
     assert p["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    # Without one, a soft anti-affinity spreads the replicas over nodes.
+    (term,) = pod(build_deployment(OWNER, spec(), 3))["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"] == {"topologyKey": "kubernetes.io/hostname",
+                                       "labelSelector": {"matchLabels": selector_labels(OWNER)}}
 
 
 def test_service_and_endpoint():

@@ -334,4 +334,6 @@ def test_contest_command_names_the_bad_flag(capsys):
                        (["--time-scale", "2", "--scale-controls"], "--scale-controls")):
         assert main(["autotune", "contest", *argv]) == 2, argv
         assert word in capsys.readouterr().err
-    assert main(["sim", "run", "--scenario", "nope", "--simulate", "h100-80gb"]) == 2
+    with pytest.raises(SystemExit) as refused:  # argparse's own choices there
+        main(["sim", "run", "--scenario", "nope", "--simulate", "h100-80gb"])
+    assert refused.value.code == 2 and "argument --scenario: invalid choice: 'nope'" in capsys.readouterr().err
