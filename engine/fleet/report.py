@@ -79,7 +79,9 @@ def scrape_series(fleet: Fleet) -> dict[str, list[tuple[float, float]]]:
     for t in sorted(by_time):
         reps = by_time[t]
         out["running"].append((t, sum(r.get("vllm:num_requests_running", 0.0) for r in reps)))
-        out["waiting"].append((t, sum(r.get("vllm:num_requests_waiting", 0.0) for r in reps)))
+        # preempted requests wait too (kvpilot's engines count them apart from vLLM's gauge)
+        out["waiting"].append((t, sum(r.get("vllm:num_requests_waiting", 0.0) + r.get("kvpilot:num_requests_preempted", 0.0)
+                                      for r in reps)))
         out["kv_usage_pct"].append((t, 100 * statistics.fmean(r.get("vllm:kv_cache_usage_perc", 0.0) for r in reps)))
         tokens = sum(r.get("vllm:generation_tokens_total", 0.0) for r in reps)
         if prev is not None and t > prev[0]:

@@ -99,6 +99,10 @@ SETTINGS_METRICS = {"max_num_seqs": "kvpilot:max_num_seqs", "max_model_len": "kv
 # Not a MetricsSnapshot field: TPOT p95 over the tiers other than flex, which replaces tpot_p95_s
 # where the pods export TPOT by tier.
 TIERED_TPOT_P95 = "tiered_tpot_p95_s"
+# Not MetricsSnapshot fields either: kvpilot's engines count requests preempted back into the
+# queue apart from vllm:num_requests_waiting (which stays within --max-queued-requests), where
+# vLLM counts them in it; added to num_waiting and num_waiting_now where the pods export them.
+PREEMPTED_WAITING = {"num_waiting": "preempted_waiting", "num_waiting_now": "preempted_waiting_now"}
 DEFAULT_REFUSAL_METRIC = "kvpilot:request_length_refusals_total"
 
 
@@ -194,6 +198,8 @@ def build_queries(target: Target | FleetTarget, window_s: float,
         "kv_cache_element_bytes": f"{max_}(kvpilot:kv_cache_element_bytes{{{sel}}})",
         "weight_bytes": f"{max_}(kvpilot:model_weight_bytes{{{sel}}})",
         "num_waiting_now": f"{sum_}(vllm:num_requests_waiting{{{sel}}})",
+        PREEMPTED_WAITING["num_waiting"]: f"{sum_}(avg_over_time(kvpilot:num_requests_preempted{{{sel}}}[{w}]))",
+        PREEMPTED_WAITING["num_waiting_now"]: f"{sum_}(kvpilot:num_requests_preempted{{{sel}}})",
         "prompt_tokens_per_s": rate("vllm:prompt_tokens_total"),
         "tpot_mean_s": (f"{rate('vllm:request_time_per_output_token_seconds_sum')} / "
                         f"{rate('vllm:request_time_per_output_token_seconds_count')}"),

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .queries import (DEFAULT_REFUSAL_METRIC, EXTRA_SOURCES, SOURCES, TIERED_TPOT_P95, Target, build_freshness_queries,
+from .queries import (DEFAULT_REFUSAL_METRIC, EXTRA_SOURCES, PREEMPTED_WAITING, SOURCES, TIERED_TPOT_P95, Target, build_freshness_queries,
                      build_idle_queries, build_queries, build_settings_queries)
 from .client import QueryClient, checked_query, connect, first_sample, instant_samples
 from ..signals import PodSettings, MetricsSnapshot
@@ -112,6 +112,10 @@ def assemble_snapshot(answers: Answers, window_s: float, at: float | None, *, st
             stale.append(field)
     for field in missing + stale:
         values[field] = None
+    for field, extra in PREEMPTED_WAITING.items():
+        preempted = values.pop(extra, None)  # None: stock vLLM (they are in its waiting gauge)
+        if preempted is not None and values.get(field) is not None:
+            values[field] += preempted
     tiered = values.pop(TIERED_TPOT_P95, None)
     if "flex_share" not in missing and "tpot_p95_s" not in missing + stale:
         values["tpot_p95_s"] = tiered  # None when only flex requests finished

@@ -216,3 +216,15 @@ def test_from_url_builds_a_prometheus_connect():
     assert isinstance(reader.client.inner, PrometheusConnect)  # counted: kvpilot_operator_prometheus_queries
     assert reader.client.url == reader.url == "http://127.0.0.1:9"
     assert math.isclose(reader.stale_after_s, 15.0)
+
+
+def test_requests_preempted_back_into_the_queue_count_as_waiting():
+    """kvpilot's engines export them apart (kvpilot:num_requests_preempted), so that
+    vllm:num_requests_waiting stays within the queue cap; vLLM counts them in its gauge.
+    Either way the autotuner reads everything that waits."""
+    kvpilot = FakePrometheus({**healthy_answers(), "kvpilot:num_requests_preempted": scalar(2.0)})
+    s = PrometheusReader(kvpilot).snapshot("demo", "tiny", 300)
+    assert (s.num_waiting, s.num_waiting_now) == (5.0, 5.0)
+    stock = PrometheusReader(FakePrometheus(healthy_answers())).snapshot("demo", "tiny", 300)
+    assert (stock.num_waiting, stock.num_waiting_now) == (3.0, 3.0)
+    assert "num_waiting" not in stock.missing
