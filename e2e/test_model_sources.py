@@ -173,7 +173,8 @@ def test_hf_model_downloads_with_progress_and_a_second_replica_on_the_pvc_downlo
         completes(second, "hf-tiny")
     finally:
         hub.set_throttle(0)
-        cluster.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=110s", check=False)
+        # Not waited for: the PV's protection finalizer holds it until the claim is gone.
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
         cluster.kubectl("delete", "pv", pv, "--wait=false", check=False)
 
 

@@ -1,10 +1,12 @@
 """Simulated GPU pods on the local cluster: an LLMDeployment with engine.simulate becomes
 Ready on a pod that requests nvidia.com/gpu, answers completions, says it is simulated
-(status, column, metrics), stays small; and the demo's story, on its fast timings, ends
+(status, column, metrics), stays small, answers /health through `kubectl port-forward`; and the demo's story, on its fast timings, ends
 with the autotuner having fixed the deployment."""
 from __future__ import annotations
 
 import re
+import select
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -74,6 +76,25 @@ def test_a_simulated_llmdeployment_is_ready_answers_and_says_so(cluster, tuned_o
     rss = _metric(text, "process_resident_memory_bytes")
     print(f"\nsimulated H100 pod (Llama-3.1-8B): RSS {rss / 2**20:.0f} MiB, KV cache {kv / 2**30:.1f} GiB")
     assert rss < MAX_SIMULATED_RSS
+    assert port_forwarded_health(cluster, namespace, pod["metadata"]["name"]) == 200
+
+
+def port_forwarded_health(cluster, namespace: str, pod: str) -> int:
+    """GET /health through `kubectl port-forward` (which connects to the pod's localhost: the
+    engine must listen there too, not only on the pod IP)."""
+    pf = subprocess.Popen([str(cluster.bin_dir / "kubectl"), f"--kubeconfig={cluster.kubeconfig}",
+                           "port-forward", "-n", namespace, f"pod/{pod}", ":8000"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        ready, _, _ = select.select([pf.stdout], [], [], 30)
+        assert ready, "kubectl port-forward printed nothing in 30 s"
+        line = pf.stdout.readline()  # "Forwarding from 127.0.0.1:PORT -> 8000"
+        assert "127.0.0.1:" in line, line
+        port = int(line.split("127.0.0.1:")[1].split()[0])
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code
+    finally:
+        pf.terminate()
+        pf.wait(timeout=10)
 
 
 def test_a_simulated_70b_over_four_gpus_is_one_engine_with_all_their_kv(cluster, tuned_operator, namespace,
