@@ -71,6 +71,7 @@ AZURE_TRACES := https://raw.githubusercontent.com/Azure/AzurePublicDataset/maste
 TRACE_CONTEST := $(VENV)/bin/kvpilot autotune contest --out results/traces --split 0.5 --sweep
 autotune-bench: dev node-deps
 	@mkdir -p $(TRACES) results/traces
+	$(VENV)/bin/pytest -q -m keda e2e/test_keda.py  # the real KEDA scales, kvpilot leaves replicas to it
 	for f in conv code; do test -s $(TRACES)/AzureLLMInferenceTrace_$$f.csv || curl -fsSL -o $(TRACES)/AzureLLMInferenceTrace_$$f.csv $(AZURE_TRACES)/AzureLLMInferenceTrace_$$f.csv || exit 1; done
 	for f in conv code; do for x in 1 4; do $(TRACE_CONTEST) --trace $(TRACES)/AzureLLMInferenceTrace_$$f.csv --trace-format azure2023 --trace-rate-scale $$x --client-timeout 60 || exit 1; done; done
 	$(TRACE_CONTEST) --scenario day --sweep-seqs 128,256 --sweep-mbt 8192 --sweep-lens 32768

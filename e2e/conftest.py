@@ -33,6 +33,11 @@ IMAGES = pytest.StashKey[list]()  # (name, OCI archive) of the images built for 
 
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "keda: needs KEDA built from its Go module (~11 min the first time); "
+                                       "run by make autotune-bench, not make test")
+
+
 def image_targets(items) -> tuple[str, ...]:
     """kvpilot's images the selected tests need: the operator's always (the operator, the
     gateway and simulated pods run it); the engine's (torch, several GB) only where a module

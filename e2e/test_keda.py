@@ -6,7 +6,12 @@ The deployment is the demo's simulated H100 at max_num_seqs 8 under 48 users, so
 requests wait on one replica and KEDA's HPA (external metric, AverageValue 5) wants more
 than its maximum of 3. The autotuner runs in Auto mode but may not raise max_num_seqs above
 8 (its bounds), so the queue, and with it KEDA's reason to scale, lasts; what it must not
-do is touch the replica count, which KEDA's HPA owns."""
+do is touch the replica count, which KEDA's HPA owns.
+
+Not in `make test` (marker `keda`): KEDA's first build takes about 11 minutes on 2 cores, the
+mechanism (kvpilot leaves replicas to whichever HPA targets the LLMDeployment's scale
+subresource) is test_hpa_cooperation's, and `make autotune-bench`, which builds KEDA for its
+real-time day anyway, runs this module first."""
 from __future__ import annotations
 
 import math
@@ -18,7 +23,7 @@ from demo_story import SIM_ENGINE, SIM_RESOURCES
 from localcluster.keda import start_keda
 from test_operator import diagnose
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.keda]
 
 NAME = "keda-owned"
 WORKLOAD = ks.Workload(num_requests=4000, rate=math.inf, max_concurrency=48, seed=7,
