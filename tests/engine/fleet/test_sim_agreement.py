@@ -146,6 +146,13 @@ def test_virtual_and_real_time_agree_on_order_and_token_counts(server, accelerat
         choice = by_index[r.index]["choices"][0]
         assert by_index[r.index]["usage"]["completion_tokens"] == r.output_tokens
         assert choice["finish_reason"] == r.finish_reason
+    # Requests the virtual run finished in one step may reach the client some way apart on a
+    # busy host (each response is encoded and sent in turn), so the real-time order is judged
+    # against the virtual groups: each group, in turn, takes the next places of that order.
     want = _groups([(r.finished, r.index) for r in virtual], gap=1e-9)
-    got = _groups([(t, i) for t, i, _ in real], gap=STEP_S * 0.4)
-    assert got == want, f"virtual finish groups {want}, real-time {got}"
+    order = [i for _, i, _ in sorted(real)]
+    got, at = [], 0
+    for group in want:
+        got.append(set(order[at:at + len(group)]))
+        at += len(group)
+    assert got == want, f"virtual finish groups {want}, real-time order {order}"
