@@ -131,9 +131,13 @@ def installed_operator(cluster, wait_for, resync_interval: float = 10, values: d
     crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
     rest = [d for d in docs if d["kind"] != "CustomResourceDefinition"]
     cluster.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(crds))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                    "crd/llmdeployments.serving.kvpilot.dev")
     kube = cluster.kube()
+    # Polled rather than `kubectl wait`, which fails outright on a CRD created a moment ago
+    # whose status has no conditions yet.
+    wait_for(lambda: condition(kube.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
+                                        "llmdeployments.serving.kvpilot.dev", ok404=True),
+                               "Established").get("status") == "True",
+             timeout=60, what="the CRD to be Established")
     # an earlier module's install may still be going away
     wait_for(lambda: kube.get(f"/api/v1/namespaces/{OPERATOR_NS}", ok404=True) is None
              or kube.get(f"/api/v1/namespaces/{OPERATOR_NS}")["status"].get("phase") != "Terminating",

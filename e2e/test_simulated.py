@@ -17,7 +17,6 @@ from demo_story import FAST, Story
 from test_operator import condition, diagnose
 
 pytestmark = pytest.mark.e2e
-ENGINE_IMAGE = True  # real engine pods (builtin:tiny): conftest builds the engine image
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "llmdeployment-simulated.yaml"
@@ -125,7 +124,8 @@ def test_a_simulated_70b_over_four_gpus_is_one_engine_with_all_their_kv(cluster,
 
 
 def test_the_demo_story_on_its_fast_path(cluster, tuned_operator, tmp_path):
-    story = Story(cluster, FAST, tmp_path)
+    story = Story(cluster, FAST, tmp_path, real_engine=False)  # as make demo runs it; the real
+    # engine's answer on builtin:tiny is test_operator's test_example_serves_completions
     try:
         result = story.run()
     finally:
@@ -136,5 +136,4 @@ def test_the_demo_story_on_its_fast_path(cluster, tuned_operator, tmp_path):
     raises = [c for c in result.changes if "maxNumSeqs" in c.change]
     assert raises and all(b > a for a, b in (c.change["maxNumSeqs"] for c in raises))
     assert result.after["req_per_s"] > 2 * result.before["req_per_s"]
-    assert result.real_answer  # the real engine answered too
     assert result.png.exists()

@@ -41,7 +41,10 @@ def release(cluster, shared_operator, wait_for):
     ctr = Ctr(Path(cluster.state["containerd_bin"]), Path(cluster.state["containerd_socket"]))
     new_ref = KVPILOT_OPERATOR_IMAGE.rsplit(":", 1)[0] + f":{NEW_TAG}"
     ctr.run("images", "tag", "--force", KVPILOT_OPERATOR_IMAGE, new_ref)
-    helm(cluster, "install", RELEASE, str(CHART), "-n", OPERATOR_NS, "--create-namespace",
+    # --take-ownership: the cluster-wide objects (ClusterRole, its binding) of the earlier
+    # modules' installs, applied without helm, are adopted, as when a kubectl-applied install
+    # moves to helm.
+    helm(cluster, "install", RELEASE, str(CHART), "-n", OPERATOR_NS, "--create-namespace", "--take-ownership",
          "--set", "gateway.enabled=false", "--set", "resyncInterval=1", "--set", "logLevel=INFO")
     try:
         wait_for(lambda: operator_ready(kube), timeout=180, what="the operator pod to be Ready")

@@ -12,7 +12,7 @@ from kvpilot.engine.config.engine import EngineConfig
 
 FLAGGED = [f for f in fields(EngineConfig) if f.metadata.get("flag", True)]
 ENGINE_COMMANDS = [["serve"], ["generate", "--prompt", "x"], ["bench", "throughput"],
-                   ["sim", "run", "--scenario", "x"], ["sim", "describe"], ["sim", "record", "--grid", "calibration",
+                   ["sim", "run", "--scenario", "day"], ["sim", "describe"], ["sim", "record", "--grid", "calibration",
                                                           "--out", "o.json"]]
 
 
