@@ -1,6 +1,7 @@
 """Integer-weight GEMM (kernels/quant_gemm.py): the Triton kernel (interpreted) against its
 torch reference over odd shapes, the reference against an oracle that never unpacks, input
-checks, and an offline compile for sm_90.
+checks (its offline compile for sm_90 is checked with the other kernels', in
+tests/kernels/check/test_kernels_gpu_check.py).
 
 bf16 under the interpreter runs with its dots upcast to fp32 and its bf16 roundings done by
 hand (the interpreter's bf16 cast truncates), so every dtype is held to QUANT_GEMM_RTOL.
@@ -9,10 +10,6 @@ hand (the interpreter's bf16 cast truncates), so every dtype is held to QUANT_GE
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -210,28 +207,5 @@ def test_bad_input_raises_value_error_naming_the_argument(name, fn):
         fn(**args)
 
 
-def _has_ptxas() -> bool:
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        return bool(get_ptxas(90).path)
-    except Exception:
-        return False
-
-
-@pytest.mark.skipif(not _has_ptxas(), reason="triton's bundled ptxas is not available")
-def test_quant_gemm_compiles_for_hopper():
-    from kvpilot.kernels.check.compile import QUANT_VARIANTS
-
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvpilot.kernels.check.compile", "--arch", "90", "--json", "--kernels", "quant"],
-        capture_output=True, text=True, env=env, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    rows = json.loads(proc.stdout)
-    assert len(rows) == len(QUANT_VARIANTS)
-    for r in rows:
-        assert r["kernel"] == "_quant_matmul_kernel" and r["ok"] and r["has_cubin"], r
-        if r["dtype"] != "float32" and "spill_store_bytes" in r:
-            assert r["spill_store_bytes"] == 0, f"register spills in {r}"
+# Compiling every variant for Hopper (sm_90, no register spills) is part of
+# tests/kernels/check/test_kernels_gpu_check.py::test_every_kernel_compiles_for_hopper_without_spills_on_llama_shapes.

@@ -12,9 +12,11 @@ from kvpilot.kernels.quant_pack import dequantize, quantize_rtn
 
 
 def test_bench_quantization_prints_one_row_per_method(capsys):
+    # A smoke of the benchmark: the smallest run that still fills every column (int4 decodes
+    # at ~1 token/s on a busy CPU, so each output token counts).
     rc = main(["bench", "quantization", "--model", "builtin:tiny", "--batch-sizes", "1", "2", "--waves", "1",
-               "--prompt-tokens", "16", "--output-len", "6", "--agreement-prompts", "2",
-               "--ppl-seq-len", "32", "--ppl-tokens", "200", "--kv-cache-memory", "16Mi"])
+               "--prompt-tokens", "8", "--output-len", "3", "--agreement-prompts", "1",
+               "--ppl-seq-len", "16", "--ppl-tokens", "64", "--kv-cache-memory", "16Mi"])
     assert rc == 0
     out = capsys.readouterr().out.splitlines()
     rows = {line.split()[0]: line.split() for line in out[1:5]}

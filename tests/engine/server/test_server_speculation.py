@@ -63,6 +63,10 @@ def test_stream_equals_non_stream_and_metrics_count_drafts(server):
     assert m["kvpilot:num_speculative_tokens"] == 4
 
 
+CLIENTS = 4  # half greedy, half sampling
+MAX_TOKENS = 16
+
+
 def test_the_tuning_file_toggles_speculation_under_load_without_failures(server):
     failures: list[str] = []
     lengths: list[int] = []
@@ -72,13 +76,12 @@ def test_the_tuning_file_toggles_speculation_under_load_without_failures(server)
     # Half the clients sample (rejection sampling under the toggle), half are greedy: greedy
     # builtin:tiny loops on PROMPT, so n-gram drafts are sure to be proposed while k > 0; a
     # random model sampled at temperature 0.7 rarely repeats a token of its context and may
-    # draft nothing for a whole window (CI saw "(4, 0.0)" with sampling clients only). Six
-    # greedy answers per window from three greedy clients: one of them answered twice, so
-    # at least one greedy request ran whole under the new setting.
+    # draft nothing for a whole window (CI saw "(4, 0.0)" with sampling clients only).
     def worker(temperature: float):
         with _http(server) as http:
             while not done.is_set():
-                r = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 32,
+                r = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT,
+                                                       "max_tokens": MAX_TOKENS,
                                                        "temperature": temperature, "ignore_eos": True})
                 if r.status_code != 200:
                     failures.append(r.text)
@@ -87,7 +90,11 @@ def test_the_tuning_file_toggles_speculation_under_load_without_failures(server)
                     if temperature == 0:
                         greedy_served.append(1)
 
-    threads = [threading.Thread(target=worker, args=(t,), daemon=True) for t in (0.0, 0.7) * 3]
+    def drafts() -> float:
+        return server.metrics()["vllm:spec_decode_num_drafts_total"]
+
+    threads = [threading.Thread(target=worker, args=(t,), daemon=True)
+               for t in (0.0, 0.7) * (CLIENTS // 2)]
     for t in threads:
         t.start()
     try:
@@ -95,13 +102,16 @@ def test_the_tuning_file_toggles_speculation_under_load_without_failures(server)
             write_tuning(server.tuning_file, num_speculative_tokens=k)
             wait_for(lambda: server.metrics()["kvpilot:num_speculative_tokens"] == k, 60,
                      what=f"num_speculative_tokens {k} in effect")
-            before = server.metrics()["vllm:spec_decode_num_drafts_total"]
-            served, greedy = len(lengths), len(greedy_served)
-            wait_for(lambda: len(lengths) >= served + 6 and len(greedy_served) >= greedy + 6, 120,
-                     what="six more greedy requests served")
-            drafts = server.metrics()["vllm:spec_decode_num_drafts_total"] - before
-            # Off: no new drafts once the steps already drafted have run (at most one per running request).
-            assert drafts <= 6 if k == 0 else drafts > 0, (k, drafts)
+            before, greedy = drafts(), len(greedy_served)
+            # One more greedy answer than greedy clients: one client answered twice, so at
+            # least one greedy request ran whole under the new setting.
+            wait_for(lambda: len(greedy_served) > greedy + CLIENTS // 2, 120,
+                     what="a greedy request served whole under the new setting")
+            if k == 0:  # off: no new drafts once the steps already drafted have run (at most
+                # one per running request)
+                assert drafts() - before <= CLIENTS, (k, drafts() - before)
+            else:  # on: drafts come (polled: a count at a fixed moment is what flaked)
+                wait_for(lambda: drafts() > before, 60, what=f"drafts with k={k}")
         write_tuning(server.tuning_file, num_speculative_tokens=-1)  # invalid: rejected, 4 stays
         wait_for(lambda: "rejected" in server.log_tail(200), 60, what="rejection logged")
         assert server.metrics()["kvpilot:num_speculative_tokens"] == 4
@@ -111,6 +121,6 @@ def test_the_tuning_file_toggles_speculation_under_load_without_failures(server)
         for t in threads:
             t.join(120)
     assert not failures, failures[:3]
-    assert lengths and all(n == 32 for n in lengths)
+    assert lengths and all(n == MAX_TOKENS for n in lengths)
     wait_for(lambda: server.metrics()["vllm:num_requests_running"] == 0, 30, what="idle")
     assert server.metrics()["vllm:kv_cache_usage_perc"] == 0.0

@@ -119,22 +119,28 @@ def test_n_stop_strings_and_logprobs_match(model_dir, prompts):
                           use_tqdm=False)
     decode = plain.get_tokenizer().decode
     # No stop, then the text of a span of each output's tokens (a long span inside a
-    # repetitive run ends the output within a step's accepted drafts).
+    # repetitive run ends the output within a step's accepted drafts). Every (span, prompt)
+    # pair is one request of a single batch per engine (was one generate call each).
+    requests = []
     for span in (None, (3, 5), (10, 16), (14, 20)):
         stops = [decode(o.outputs[0].token_ids[span[0]:span[1]]) if span else None for o in full]
         for prompt, stop in zip(prompts, stops):
             if span and not stop.strip():
                 continue
-            params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, n=2,
-                                    stop=[stop] if stop else None, logprobs=2)
-            a, b = (llm.generate([prompt], params, use_tqdm=False)[0] for llm in (plain, spec))
-            for x, y in zip(a.outputs, b.outputs):
-                assert (y.text, y.token_ids, y.finish_reason, y.stop_reason) == (
-                    x.text, x.token_ids, x.finish_reason, x.stop_reason)
-                assert [lp.token_id for lp in y.logprobs] == y.token_ids
-                for lx, ly in zip(x.logprobs, y.logprobs):
-                    assert math.isclose(lx.logprob, ly.logprob, abs_tol=1e-4)
-                    assert [t for t, _ in ly.top] == [t for t, _ in lx.top]
+            requests.append((prompt, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, n=2,
+                                                    stop=[stop] if stop else None, logprobs=2)))
+    assert len(requests) > len(prompts)  # some stop strings were used
+    batch, params = [r[0] for r in requests], [r[1] for r in requests]
+    a_all, b_all = (llm.generate(batch, params, use_tqdm=False) for llm in (plain, spec))
+    for a, b in zip(a_all, b_all, strict=True):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert (y.text, y.token_ids, y.finish_reason, y.stop_reason) == (
+                x.text, x.token_ids, x.finish_reason, x.stop_reason)
+            assert [lp.token_id for lp in y.logprobs] == y.token_ids
+            for lx, ly in zip(x.logprobs, y.logprobs):
+                assert math.isclose(lx.logprob, ly.logprob, abs_tol=1e-4)
+                assert [t for t, _ in ly.top] == [t for t, _ in lx.top]
+    assert any(o.finish_reason == "stop" for r in b_all for o in r.outputs)  # a stop string cut one
     assert spec.engine.stats().spec_decode.num_accepted_tokens > 0
     assert spec.engine.stats().kv_cache_usage == 0.0
 

@@ -74,6 +74,8 @@ def _has_ptxas() -> bool:
 
 @pytest.mark.skipif(not _has_ptxas(), reason="triton's bundled ptxas is not available")
 def test_every_kernel_compiles_for_hopper_without_spills_on_llama_shapes():
+    from kvpilot.kernels.check.compile import QUANT_VARIANTS
+
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "kvpilot.kernels.check.compile", "--arch", "90", "--json"],
@@ -85,6 +87,9 @@ def test_every_kernel_compiles_for_hopper_without_spills_on_llama_shapes():
         "_paged_decode_kernel", "_merge_splits_kernel", "_paged_prefill_kernel", "_write_kv_cache_kernel",
         "_quant_matmul_kernel",
     }
+    # Every integer-weight GEMM variant (formerly also compiled on its own by
+    # test_kernels_quant_gemm.py::test_quant_gemm_compiles_for_hopper, a second ptxas run).
+    assert sum(r["kernel"] == "_quant_matmul_kernel" for r in rows) == len(QUANT_VARIANTS)
     for r in rows:
         assert r["ok"] and r["has_cubin"], r
         if r["dtype"] != "float32" and "spill_store_bytes" in r:
