@@ -34,6 +34,8 @@ class History:
     diagnoses: tuple[tuple[float, Diagnosis], ...] = ()  # one per interval, oldest first
     observations: tuple[Observation, ...] = ()  # oldest first
     plans: tuple[tuple[float, int], ...] = ()  # (time, replicas the model planned), oldest first
+    # (time, request rate /s, serving replicas), oldest first: the season forecast.py learns from.
+    rates: tuple[tuple[float, float, int], ...] = ()
     limit: int = 20
     observation_limit: int = 40
 
@@ -41,6 +43,9 @@ class History:
         if obs is None:
             return self
         return replace(self, observations=(self.observations + (obs,))[-self.observation_limit:])
+
+    def with_rates(self, rates: tuple[tuple[float, float, int], ...]) -> History:
+        return replace(self, rates=rates)
 
     def record(self, decision: Decision, applied: bool) -> History:
         """This interval's decision added; `applied` says whether the caller applied its

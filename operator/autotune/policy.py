@@ -27,6 +27,7 @@ import math
 from .capacity import CapacityPlan
 from .chunk import chunk_change
 from .decision import Action, Bounds, Decision, Diagnosis, Settings, Thresholds
+from .forecast import ahead_of_load, holds_capacity
 from .history import History
 from .memory import PRESSURE, QUEUE_BOUND, blocked_move, broken_width, cap_in_window
 from .planned import PLANNED, plan_from_history, planned_change, scale_out_in_cooldown
@@ -67,9 +68,14 @@ def decide(
 
     verdict = judge_last_change(snapshot, current, bounds, history, now, thresholds)
     urgent = _urgent_scale_out(diagnosis, snapshot, current, bounds, history, thresholds)
+    # Replicas a rise seen a period ago will need (forecast.py): they start now, a pod's
+    # start-up ahead of it; like a scale-out for a queue, nothing else holds them back.
+    ahead = ahead_of_load(snapshot, current, bounds, history, now, thresholds)
     if verdict.wait:
         if urgent is not None:  # judging a setting never keeps capacity from a building queue
             return _change(now, snapshot, urgent, f"{evidence}; {verdict.wait}, but requests queue")
+        if ahead is not None:
+            return _change(now, snapshot, ahead[:3] + (diagnosis,), f"{evidence}; {verdict.wait}")
         return Decision(now, diagnosis, Action.HOLD, f"{evidence}; {verdict.wait}")
     if verdict.revert:
         return Decision(now, diagnosis, Action.REVERT, verdict.note, change=verdict.revert,
@@ -88,6 +94,8 @@ def decide(
                    for k in live if snapshot.reported(k) and snapshot.reported(k) != {getattr(current, k)}]
     if unconfirmed:
         return hold(f"{evidence}; waiting for the pods to report " + ", ".join(unconfirmed))
+    if ahead is not None:
+        return _change(now, snapshot, ahead[:3] + (diagnosis,), evidence, verifies, verified)
     model_plan, model_note = plan_from_history(snapshot, current, bounds, history, now, thresholds)
     if model_note and diagnosis in PLANNED:
         evidence = f"{evidence}; {model_note}"
@@ -130,6 +138,10 @@ def decide(
     change, target, extra, diagnosis = proposal
     if not change:
         return hold(f"{evidence}; {extra}", planned)
+    old, new = change.get("replicas", (0, 0))
+    kept = holds_capacity(history, now, thresholds, new) if new < old else None
+    if kept:
+        return hold(f"{evidence}; {kept}", planned)
     guarded = target is not None and "replicas" not in change and target != "tpot_p95_s"
     return Decision(now, diagnosis, Action.CHANGE, f"{evidence}; {extra}", change=change,
                     target=target, baseline=signal(snapshot, target) if target else None,
