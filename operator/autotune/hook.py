@@ -204,7 +204,7 @@ def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None 
     plan = capacity_plan(snap, current)
     if snap is not None:
         history = record_rate(history.observe(observation(snap, current.replicas)), snap, current.replicas,
-                              thresholds)
+                              thresholds).saw_pods(now, len(snap.pods))
         decision = (_to_zero(reader, spec, owner, current, snap, history, now)
                     or decide(snap, current, bounds_for(spec), history, now, capacity=plan, thresholds=thresholds))
 

@@ -341,6 +341,10 @@ def _scale_out(cur: Settings, bounds: Bounds, history: History, s: MetricsSnapsh
         return {}, None, f"{prefix}an HPA owns the replica count, so replicas are left to it", diagnosis
     if cur.replicas >= bounds.replicas.max:
         return {}, None, f"{prefix}replicas already at the maximum {bounds.replicas.max}", diagnosis
+    served = history.grown_within(s.time, s.window_s)
+    if served is not None:  # most of this window is the smaller fleet's: it says nothing of the new one
+        return {}, None, (f"{prefix}the newest replica has served {served:.0f}s of the {s.window_s:.0f}s "
+                          f"window: judging the fleet as it is before adding more"), diagnosis
     earlier = history.recent_diagnoses(t.scale_out_windows - 1)
     if len(earlier) < t.scale_out_windows - 1 or any(d not in PRESSURE for d in earlier):
         return {}, None, (f"{prefix}adding a replica once this lasts "

@@ -181,7 +181,7 @@ class AutoController:
         current = current_settings(fleet)
         plan = capacity_plan(snap, current)
         self.history = self.history.observe(observation(snap, current.replicas))
-        self.history = record_rate(self.history, snap, current.replicas, tune.thresholds)
+        self.history = record_rate(self.history, snap, current.replicas, tune.thresholds).saw_pods(t, len(snap.pods))
         bounds = with_spec_bounds(tune.bounds, fleet)
         decision = decide(snap, current, bounds, self.history, t, capacity=plan, thresholds=tune.thresholds)
         applied = tune.mode == "Auto" and decision.changes_something
