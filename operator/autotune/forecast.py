@@ -1,7 +1,7 @@
 """Capacity ahead of load, from the traffic's own history: when the deployment's request
 rate a period ago (a day, spec'd as the traffic's season) rose soon after this time of
 day, the replicas it came to hold for that rise are started now, a pod's start-up ahead
-of it, instead of a few intervals after the queue has built.
+of it (and no earlier), instead of a few intervals after the queue has built.
 
 Pure functions of the History (the request rate and serving replicas the autotuner saw
 at each interval, as Prometheus showed them: `vllm:request_success_total`'s rate and the
@@ -23,20 +23,20 @@ from .signals import MetricsSnapshot
 
 @dataclass(frozen=True)
 class Forecast:
-    """What a period ago says about the next `horizon_s`: the replicas it came to hold."""
+    """What a period ago says about the next `lead_s`: a rise, and the replicas it came to hold."""
 
     replicas: int  # what the deployment should hold now, ahead of the rise
-    held_then: int  # the most replicas it served with over the horizon a period ago
+    held_then: int  # the most replicas it served with in the settle time after the rise a period ago
     rate_then: float  # request rate a period ago at this time of day (req/s)
-    rate_peak_then: float  # its highest rate over the horizon a period ago
+    rate_peak_then: float  # its highest rate in that time
     rate_now: float
     level: float  # today's rate / the rate then (at most 1: a forecast never asks for more)
-    horizon_s: float
+    lead_s: float  # the rise comes within this (a pod's start-up and an interval)
     points: int  # history points the forecast read
 
     def reason(self) -> str:
         return (f"a period ago the request rate rose from {self.rate_then:.2f}/s to {self.rate_peak_then:.2f}/s "
-                f"within the next {self.horizon_s:.0f}s and {self.held_then} replica(s) served it; today's rate "
+                f"within the next {self.lead_s:.0f}s and {self.held_then} replica(s) came to serve it; today's rate "
                 f"{self.rate_now:.2f}/s is x{self.level:.2f} of then, so {self.replicas} replica(s) ahead of the "
                 f"rise (from {self.points} points of history)")
 
@@ -72,18 +72,23 @@ def forecast(history: History, now: float, t: Thresholds) -> Forecast | None:
     if pts[0][0] > now - season - spacing:
         return None  # less than a whole season of history: nothing to learn a day from
     then = [p for p in pts if now - season - 2 * spacing <= p[0] <= now - season]
-    ahead = [p for p in pts if now - season < p[0] <= now - season + horizon(t)]
-    if not then or len(ahead) < 2:
+    ahead = [p for p in pts if now - season < p[0] <= now - season + t.forecast_lead_s]
+    if not then or not ahead:
         return None
     rate_then = sum(p[1] for p in then) / len(then)
-    peak = max(ahead, key=lambda p: p[1])
-    if peak[1] < t.forecast_rise * max(rate_then, t.idle_rate_per_s) or peak[1] < t.forecast_min_rate:
+    level_up = max(t.forecast_rise * max(rate_then, t.idle_rate_per_s), t.forecast_min_rate)
+    rise = next((p for p in ahead if p[1] >= level_up), None)
+    if rise is None:
         return None  # no rise ahead (a quiet hour after a busy one forecasts nothing)
-    held = max(p[2] for p in ahead if p[0] >= peak[0] - spacing)
+    if rise[0] - (now - season) > t.forecast_lead_s:
+        return None  # not within a start-up yet: replicas started now would only wait
+    after = [p for p in pts if rise[0] <= p[0] <= rise[0] + t.forecast_settle_s]
+    peak = max(after, key=lambda p: p[1])
+    held = max(p[2] for p in after)  # what the rules came to hold for it, once settled
     rate_now = sum(p[1] for p in pts[-2:]) / len(pts[-2:])  # the newest points (one every spacing)
     level = min(1.0, rate_now / rate_then) if rate_then >= t.forecast_min_rate else 1.0
     return Forecast(max(1, math.ceil(held * level - 1e-9)), held, rate_then, peak[1], rate_now, level,
-                    horizon(t), len(then) + len(ahead))
+                    t.forecast_lead_s, len(then) + len(after))
 
 
 def ahead_of_load(s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: History, now: float,

@@ -63,8 +63,10 @@ def test_lower_traffic_today_asks_for_fewer_and_no_season_means_no_forecast():
     assert forecast(h, T0 + now, replace(T, season_s=None)) is None
 
 
-def test_no_rise_ahead_forecasts_nothing():
+def test_no_rise_ahead_forecasts_nothing_and_a_distant_one_not_yet():
     now = SEASON + RISE_AT + 400  # after the burst: the quiet that followed it
+    assert forecast(day_history(now), T0 + now, T) is None
+    now = SEASON + RISE_AT - 3 * T.forecast_lead_s  # replicas started now would only wait
     assert forecast(day_history(now), T0 + now, T) is None
 
 

@@ -229,3 +229,12 @@ def test_a_replica_just_started_is_judged_before_another_is_added():
     assert "replicas" not in d.change and "newest replica has served 15s" in d.reason
     later = decide(replace(queued, time=T0 + 50), cur, BOUNDS, h, T0 + 50, thresholds=t)
     assert later.change == {"replicas": (2, 3)}
+
+
+def test_a_bursts_replicas_come_back_in_halves_not_one_a_cooldown():
+    cur = replace(CUR, replicas=6)
+    quiet = snap(num_running=1.0, kv_usage_max=0.01, request_rate_per_s=0.1, prompt_tokens_per_s=80.0,
+                 tpot_p95_s=0.01)
+    decisions, after = run_intervals([quiet] * 16, cur, t=Thresholds(tpot_objective_s=0.05, cooldown_s=60.0))
+    moves = [d.change["replicas"] for d in decisions if "replicas" in d.change]
+    assert moves[0] == (6, 3) and after.replicas == 1, moves
