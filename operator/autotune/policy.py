@@ -318,9 +318,11 @@ def _urgent_scale_out(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, b
     chunks would only lengthen the queue), for scale_out_windows intervals. A scale-out is
     never reverted, so verifying an earlier settings change, or its cooldown, must not hold it."""
     queueing = (s.queue_time_p95_s or 0.0) >= t.queue_enter_s or (s.num_waiting or 0.0) >= t.waiting_enter
-    # A queue already draining (fewer waiting now than on average over the window) is being
-    # served by the capacity there is: no more on top of it.
-    draining = s.num_waiting_now is not None and s.num_waiting_now < (s.num_waiting or 0.0)
+    # A queue already draining (fewer waiting now than on average over the window, or next to
+    # none: queue p95 still counts the waits of a backlog just served) is being served by the
+    # capacity there is: no more on top of it.
+    draining = s.num_waiting_now is not None and (s.num_waiting_now < (s.num_waiting or 0.0)
+                                                  or s.num_waiting_now < t.waiting_exit)
     if (diagnosis not in (Diagnosis.TPOT_BOUND, Diagnosis.HARDWARE_BOUND) or not queueing or draining
             or (s.pods and len(s.pods) < cur.replicas)):
         return None

@@ -238,3 +238,22 @@ def test_a_bursts_replicas_come_back_in_halves_not_one_a_cooldown():
     decisions, after = run_intervals([quiet] * 16, cur, t=Thresholds(tpot_objective_s=0.05, cooldown_s=60.0))
     moves = [d.change["replicas"] for d in decisions if "replicas" in d.change]
     assert moves[0] == (6, 3) and after.replicas == 1, moves
+
+
+def test_a_backlog_already_served_adds_no_replica():
+    # The day's chat: the backlog drained as the second replica came up; queue p95 still
+    # counts its waits, but nothing waits now.
+    t = Thresholds(tpot_objective_s=0.05, cooldown_s=60.0)
+    chunk = Decision(T0 - 45, Diagnosis.TPOT_BOUND, Action.CHANGE, "earlier",
+                     change={"max_num_batched_tokens": (4096, 2048)}, target="tpot_p95_s", baseline=0.055)
+    h = History().record(chunk, applied=True)
+    for k in range(2):
+        h = h.record(Decision(T0 - 30 + 15 * k, Diagnosis.TPOT_BOUND, Action.HOLD, "verifying"), applied=False)
+    cur = replace(CUR, replicas=2, max_num_batched_tokens=2048)
+    served = snap(tpot_p95_s=0.042, num_running=139.0, running_min=60.0, queue_time_p95_s=40.0, num_waiting=0.0,
+                  num_waiting_now=0.0, kv_usage_mean=0.22, kv_usage_max=0.63, prompt_tokens_per_s=26000.0,
+                  generation_tokens_per_s=6000.0)
+    d = decide(served, cur, BOUNDS, h, T0, thresholds=t)
+    assert "replicas" not in d.change, d.reason
+    building = replace(served, num_waiting=20.0, num_waiting_now=40.0)
+    assert decide(building, cur, BOUNDS, h, T0, thresholds=t).change == {"replicas": (2, 3)}
