@@ -63,6 +63,11 @@ class OutputProcessor:
         """Record the request's `num_new` newest tokens in order (one, or with speculation
         several); at a stop string, stop there (the scheduler drops the request's tokens
         after it). Returns the stop string (or None) and the tokens kept."""
+        if num_new == 1 and logprobs is None and req.out.detokenizer is None:
+            # What on_token does for a token with no text and no logprobs to record (per
+            # sequence per step in the simulator: kept lean).
+            req.out.completion.token_ids.append(req.output_token_ids[-1])
+            return None, 1
         first = len(req.output_token_ids) - num_new
         for j in range(num_new):
             stop = self.on_token(req, req.output_token_ids[first + j],

@@ -89,6 +89,8 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         # 1. Running requests first, oldest first; the newest is preempted when blocks run out.
         running, allocate, scheduled = self.running, self.kv_cache.allocate_slots, out.scheduled
+        # For the decode fast path below (per sequence per step: kept lean).
+        bs, caching = self.kv_cache.block_size, self.kv_cache.enable_prefix_caching
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -97,6 +99,14 @@ class Scheduler:
                 i += 1
                 continue
             spec = request.spec.token_ids  # the speculator drops them after the step (record)
+            if num_new == 1 and not spec and request.num_computed_tokens < len(request.kv.block_ids) * bs and not (
+                    caching and (request.num_computed_tokens + 1) // bs > request.kv.num_hashed_blocks):
+                # The common decode: its slot is in a block it holds and it fills no block
+                # to cache, so allocate_slots would do nothing.
+                scheduled.append(ScheduledRequest(request, 1))
+                budget -= 1
+                i += 1
+                continue
             if spec:
                 # Drafts ride with a decode; the budget cuts drafts, never the real token.
                 spec = spec[:max(0, budget - num_new)] if num_new == 1 else []
@@ -160,14 +170,25 @@ class Scheduler:
         """Advance computed tokens and append each sampled request's new tokens (one, or
         with speculation its accepted drafts and one more; aligned with sampled_requests);
         return how many each appended before it finished (the rest are dropped)."""
+        drafted = False
         for item in out.scheduled:
             # Rejected drafts' KV is not computed: it is past the request's tokens, and
             # the blocks that held only such slots go back to the pool.
-            item.request.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)
+            if item.spec_token_ids:
+                drafted = True
+                item.request.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)
+            else:
+                item.request.num_computed_tokens += item.num_new_tokens
         appended = []
         for request, tokens in zip(sampled_requests, token_ids):
             # max_tokens was fixed against max_model_len at admission, so a live change
             # of max_model_len never cuts a request already accepted.
+            if len(tokens) == 1:  # no drafts: one token (per sequence per step: kept lean)
+                status = request.append_token(tokens[0])
+                if status is not None:
+                    self.finish(request, status)
+                appended.append(1)
+                continue
             n = 0
             for token in tokens:
                 n += 1
@@ -180,7 +201,7 @@ class Scheduler:
                 # The accepted drafts' KV was written by this step (their slots follow the
                 # last computed token), so they count as computed; the last token does not.
                 request.num_computed_tokens += n - 1
-        for item in out.scheduled:
+        for item in out.scheduled if drafted else ():
             if item.spec_token_ids and not item.request.status.finished:
                 self.kv_cache.trim(item.request)
         return appended

@@ -88,6 +88,17 @@ class Replica:
         self.engine.latency_sink = self.metrics
         self.live: dict[str, SimRequest] = {}
         self.draining = False
+        # The engine's gauges and counters as of its last step, read into self.metrics only
+        # when something else is about to change the engine (or a scrape reads them): a
+        # pod's /metrics shows the last step's, and most steps are never scraped.
+        self._stats_stale = False
+
+    def sync_stats(self) -> None:
+        """self.metrics holds the engine's stats as of its last step (call before anything
+        but a step changes the engine, and before reading the metrics)."""
+        if self._stats_stale:
+            self.metrics.record_stats(self.engine.stats())
+            self._stats_stale = False
 
     @property
     def busy(self) -> bool:
@@ -98,6 +109,7 @@ class Replica:
         return len(self.live)
 
     def add(self, rid: str, req: TraceRequest, sim: SimRequest, vocab: tuple[int, int], now: float) -> None:
+        self.sync_stats()
         if not self.busy:
             self.clock.sleep_until(now)  # an idle replica starts the request on arrival
         params = SamplingParams(max_tokens=req.output_len, ignore_eos=req.ignore_eos,
@@ -117,6 +129,7 @@ class Replica:
         group = self.engine.outputs.group(rid)
         if group is None or any(c.output_token_ids for c in group.children):
             return False
+        self.sync_stats()
         self.engine.abort_request(rid)
         sim = self.live.pop(rid)
         sim.error, sim.finished, sim.finish_reason = "client timeout: no token in time", now, "abort"
@@ -136,7 +149,7 @@ class Replica:
             sim.first_token, sim.finished, sim.queue_time = m.first_token_time, m.finished_time, m.queue_time
             sim.num_preemptions, sim.num_cached_tokens = m.num_preemptions, m.num_cached_tokens
             on_finished(sim)
-        self.metrics.record_stats(self.engine.stats())
+        self._stats_stale = True
 
 
 class Fleet:
@@ -231,6 +244,7 @@ class Fleet:
         config = replace(self.config, **{k: v for k, v in limits.items()
                                          if v is not None and k != "max_num_batched_tokens"})
         for r in self.replicas:
+            r.sync_stats()
             r.engine.update_limits(**limits, num_speculative_tokens=spec_k)
         self.config = config  # replicas added later start with these
         if spec_k is not None:
@@ -269,14 +283,19 @@ class Fleet:
         no t_end, until every submitted request has finished."""
         while True:
             arrival = self._next_arrival()
-            busy = [r for r in self.replicas if r.busy]
-            step_at = min((r.clock.t for r in busy), default=None)
-            work = [t for t in (arrival, step_at) if t is not None]
-            if not work and math.isinf(t_end):
+            # The busy replica whose next step starts first (the first such in list order).
+            stepper, step_at = None, math.inf
+            for r in self.replicas:
+                if r.engine.scheduler.unfinished and r.clock.t < step_at:
+                    stepper, step_at = r, r.clock.t
+            if arrival is None and stepper is None and math.isinf(t_end):
                 break
-            timers = [x for x in (self._next_scrape, self._starting[0] if self._starting else None,
-                                  self._deadlines[0][0] if self._deadlines else None) if x is not None]
-            t = min(work + timers, default=t_end)
+            t = min(step_at, math.inf if arrival is None else arrival,
+                    math.inf if self._next_scrape is None else self._next_scrape,
+                    self._starting[0] if self._starting else math.inf,
+                    self._deadlines[0][0] if self._deadlines else math.inf)
+            if math.isinf(t):
+                t = t_end
             if t >= t_end:
                 break
             self.now = max(self.now, t)
@@ -298,12 +317,15 @@ class Fleet:
                 self._route(self._pending[self._next], t)
                 self._next += 1
             else:
-                min(busy, key=lambda r: r.clock.t).step(self._on_finished)
-                if self.retired_pending():
+                stepper.step(self._on_finished)
+                # Only the replica that stepped can have become idle while draining.
+                if stepper.draining and self.retired_pending():
                     self._retire()
         if not math.isinf(t_end):
             self.now = max(self.now, t_end)
         self._retire()
+        for r in self.replicas + self.retired:  # whoever reads the metrics next sees the last step's
+            r.sync_stats()
 
     def run(self, requests: Iterable[TraceRequest]) -> None:
         """Run a whole trace until every request has finished."""
@@ -347,6 +369,7 @@ class Fleet:
 
     def _scrape(self, t: float) -> None:
         for r in self.replicas:
+            r.sync_stats()
             sc = Scrape(t, r.index, r.metrics.samples())
             if self.keep_scrapes:
                 self.scrapes.append(sc)

@@ -64,6 +64,9 @@ class Scenario:
     # A replayed trace (trace_formats) instead of the phases' generated traffic; the phases
     # then only mark stretches of it to judge apart (a split's first part and the rest).
     requests: tuple[TraceRequest, ...] | None = field(default=None, repr=False, compare=False)
+    # The traffic's period (a day), when it repeats: what an autotuner may be told to learn
+    # a daily pattern over (None: not known to repeat).
+    season_s: float | None = None
 
     def __post_init__(self) -> None:
         if len(self.slos) != len(self.phases):
@@ -101,6 +104,21 @@ class Scenario:
         settings.update(overrides)
         return EngineConfig(**settings)
 
+    def repeated(self, days: int) -> Scenario:
+        """The same day `days` times back to back (each day's requests drawn afresh from the
+        same phases), its period the season: a day of history before the day judged."""
+        if not isinstance(days, int) or not 1 <= days <= 14:
+            raise ValueError(f"days must be an integer in [1, 14], got {days!r}")
+        if days == 1:
+            return self
+        day = self.duration
+        requests = self.requests and tuple(replace(r, arrival=r.arrival + k * day)
+                                           for k in range(days) for r in self.requests)
+        phases = tuple(replace(p, name=f"{p.name}{'' if k == days - 1 else f'@{k + 1}'}")
+                       for k in range(days) for p in self.phases)
+        return replace(self, name=f"{self.name}-x{days}d", phases=phases, slos=self.slos * days,
+                       requests=requests, season_s=day)
+
     def scaled(self, time_factor: float) -> Scenario:
         """The same traffic with every phase `time_factor` as long (rates unchanged): the
         compressed run for a real-time cluster, or a short test."""
@@ -108,7 +126,7 @@ class Scenario:
             raise ValueError(f"time_factor must be in (0, 1000], got {time_factor!r}")
         requests = self.requests and tuple(replace(r, arrival=r.arrival * time_factor) for r in self.requests)
         return replace(self, phases=tuple(replace(p, duration=p.duration * time_factor) for p in self.phases),
-                       requests=requests)
+                       requests=requests, season_s=self.season_s and self.season_s * time_factor)
 
 
 def from_trace(name: str, requests: list[TraceRequest], slo: Slo = INTERACTIVE, base: Scenario | None = None,

@@ -29,7 +29,7 @@ from .hardware import Accelerator, resolve_accelerator
 from .parallel import SINGLE_GPU, TensorParallel, tensor_parallel
 from .shapes import ModelShape, resolve_model_shape
 from .speculation import SimulatedDrafts, draft_cost, draft_time
-from .timing import BatchShape, MemoryPlan, plan_memory, step_time
+from .timing import QUERY_TILE, BatchShape, MemoryPlan, StepTimer, plan_memory
 from .tokenizer import simulated_tokenizer
 from .tokens import TokenSource
 
@@ -68,6 +68,7 @@ class SimulatedExecutor:
         self.tokens = TokenSource(*_token_range(tokenizer), eos, sim.output_lengths)
         self.drafts = SimulatedDrafts(self.tokens, sim.spec_acceptance)  # SimulatedSpeculator's source
         self.draft_cost = draft_cost(sim, config.speculative_config)
+        self._step_time = StepTimer(model, accelerator, parallel)  # asked every step
         self.busy_s = 0.0  # modelled time spent in steps
         self.num_steps = 0
         self.overrun_s = 0.0  # host work past the modelled end of a step (a host too slow)
@@ -126,15 +127,24 @@ class SimulatedExecutor:
         return None  # tokens are a function of the request's seed and position
 
     def run(self, out: SchedulerOutput) -> StepResult:
-        shape, sampled, drafted = [], [], []
+        sampled, drafted = [], []
         logit_rows = passes = 0
+        # The batch's shape, summed as BatchShape.of sums it (inlined: per sequence per step).
+        num_tokens = pairs = reads = 0
         for item in out.scheduled:
             req = item.request
-            end = req.num_computed_tokens + item.num_new_tokens
+            new = item.num_new_tokens
+            end = req.num_computed_tokens + new
             # Drafts are part of num_new_tokens: BatchShape.of prices a (1 + K')-token query
             # as 1 + K' GEMM rows, causal attention pairs among them, and one read of the
             # sequence's K/V (per 128-query tile), as a verification pass costs.
-            shape.append((item.num_new_tokens, end))
+            num_tokens += new
+            if new == 1:
+                pairs += end
+                reads += end
+            else:
+                pairs += new * (end - new) + new * (new + 1) // 2
+                reads += end * -(-new // QUERY_TILE)
             k = len(item.spec_token_ids)
             if end - k == len(req.prompt_token_ids) + len(req.output_token_ids):  # item.samples, inlined
                 sampled.append(item)
@@ -143,8 +153,10 @@ class SimulatedExecutor:
                     drafted.append(end - k)
                     passes = max(passes, k)
         # num_sampled: logit rows, which is sequences sampled when nothing is drafted.
-        duration = step_time(self.model, self.accelerator, BatchShape.of(shape, logit_rows), self.parallel)
-        duration += draft_time(self.model, self.accelerator, drafted, passes, self.draft_cost, self.parallel)
+        shape = BatchShape(len(out.scheduled), num_tokens, logit_rows, pairs, reads)
+        duration = self._step_time(shape)
+        if drafted:
+            duration += draft_time(self.model, self.accelerator, drafted, passes, self.draft_cost, self.parallel)
         self.busy_s += duration
         self.num_steps += 1
         # A busy engine's steps follow each other on the modelled timeline: the host work in
@@ -159,20 +171,21 @@ class SimulatedExecutor:
             deadline = now
         self.clock.sleep_until(deadline)
         self._last_end = deadline
-        token, verify = self.tokens.token, self.drafts.verify
-        tokens, requests = [], []
-        for item in sampled:  # per sequence per step: kept lean
-            r = item.request
-            requests.append(r)
-            if item.spec_token_ids:  # the accepted drafts and one more
-                tokens.append(verify(r, item.spec_token_ids))
-            else:
-                p = r.sampling_params
-                tokens.append([token(r.seed, len(r.output_token_ids), p.ignore_eos, p.min_tokens)])
+        requests = [item.request for item in sampled]
+        if drafted:
+            token, verify = self.tokens.token, self.drafts.verify
+            tokens = []
+            for item in sampled:
+                r, p = item.request, item.request.sampling_params
+                if item.spec_token_ids:  # the accepted drafts and one more
+                    tokens.append(verify(r, item.spec_token_ids))
+                else:
+                    tokens.append([token(r.seed, len(r.output_token_ids), p.ignore_eos, p.min_tokens)])
+        else:
+            tokens = self.tokens.next_tokens(requests)
         logprobs = None
         if any(r.sampling_params.logprobs is not None for r in requests):
             lp = self.tokens.logprob
             logprobs = [[lp(r.seed, len(r.output_token_ids) + i, t, r.sampling_params.logprobs or 0)
                          for i, t in enumerate(ts)] for r, ts in zip(requests, tokens)]
         return StepResult(requests, tokens, logprobs)
-

@@ -114,6 +114,49 @@ def step_time(model: ModelShape, acc: Accelerator, batch: BatchShape, tp: Tensor
     return step_cost(model, acc, batch, tp).total_s
 
 
+class StepTimer:
+    """step_time for one (model, accelerator, parallelism), its constants computed once: the
+    simulator asks it every step. Each term is the same expression, evaluated in the same
+    order, as step_cost's, so the times are bit-identical (tests/engine/sim/test_sim_timing.py)."""
+
+    def __init__(self, model: ModelShape, acc: Accelerator, tp: TensorParallel = SINGLE_GPU) -> None:
+        m, n = model, tp.size
+        self.model, self.tp = model, tp
+        self.ab = m.dtype_bytes
+        h, self.d = m.hidden_size, m.head_dim
+        self.heads, self.kv_heads = m.num_heads / n, m.num_kv_heads / n
+        self.params, self.vocab = m.linear_params_per_layer / n, m.vocab_size / n
+        self.h, self.full_vocab, self.layers = h, m.vocab_size, m.num_layers
+        self.bw, self.gemm_flops, self.attn_flops = (acc.effective_bandwidth, acc.effective_gemm_flops,
+                                                     acc.effective_attention_flops)
+        self.act_elems = 5 * h + (self.heads + 2 * self.kv_heads) * self.d + 3 * m.intermediate_size / n
+        self.weights = self.params * self.ab  # params * wb, step_cost's first byte term
+        self.attn_per_pair = 4 * self.heads * self.d
+        self.qo_heads = 2 * self.heads + 2 * self.kv_heads
+        self.score_bytes = acc.attention_score_bytes
+        self.head_bytes = h * self.vocab * self.ab
+        self.overheads = acc.step_overhead_s, acc.per_seq_overhead_s, acc.per_token_overhead_s
+
+    def __call__(self, b: BatchShape) -> float:
+        t = b.num_tokens
+        if t == 0:
+            return 0.0
+        ab, d, bw, heads, kv_heads = self.ab, self.d, self.bw, self.heads, self.kv_heads
+        pairs = b.attention_pairs
+        gemm = max(2 * t * self.params / self.gemm_flops, (self.weights + t * self.act_elems * ab) / bw)
+        attn = max(self.attn_per_pair * pairs / self.attn_flops,
+                   (b.kv_tokens_read * 2 * kv_heads * d * ab + t * self.qo_heads * d * ab
+                    + pairs * heads * self.score_bytes) / bw)
+        s = b.num_sampled
+        lm_head = max(2 * s * self.h * self.vocab / self.gemm_flops,
+                      (self.head_bytes + s * self.vocab * LOGIT_BYTES) / bw) if s else 0.0
+        sampling = 2 * s * self.full_vocab * LOGIT_BYTES / bw
+        step, per_seq, per_token = self.overheads
+        overhead = step + per_seq * b.num_seqs + per_token * t
+        comm = self.tp.communication_s(self.model, t, s)
+        return overhead + self.layers * gemm + self.layers * attn + lm_head + sampling + comm
+
+
 # --- memory -------------------------------------------------------------------------------
 
 def activation_peak_bytes(model: ModelShape, max_num_batched_tokens: int, max_num_seqs: int,

@@ -50,6 +50,23 @@ class TokenSource:
                 return self.eos_token_id
         return self.low + mix64((seed << 20) ^ index) % self.span
 
+    def next_tokens(self, requests: list) -> list[list[int]]:
+        """Each request's token at its next output position, as token() gives it ([t] per
+        request). The simulator asks this for every sequence of every step: SplitMix64 is
+        inlined for the requests that ignore EOS (most traces'), the rest ask token()."""
+        low, span, token = self.low, self.span, self.token
+        out = []
+        for r in requests:
+            p = r.sampling_params
+            if p.ignore_eos or self.eos_token_id is None:
+                x = (((r.seed << 20) ^ len(r.output_token_ids)) + 0x9E3779B97F4A7C15) & _MASK
+                x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+                x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+                out.append([low + (x ^ (x >> 31)) % span])
+            else:
+                out.append([token(r.seed, len(r.output_token_ids), p.ignore_eos, p.min_tokens)])
+        return out
+
     def logprob(self, seed: int, index: int, token: int, top: int) -> TokenLogprob:
         """Plausible, deterministic logprobs: the chosen token and `top` alternatives."""
         chosen = -3.0 * uniform(seed, _LOGPROB_SALT ^ index)

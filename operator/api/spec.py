@@ -105,6 +105,11 @@ class AutotuneSpec(Model):
         default=False,
         description="Prompts share a prefix (a system prompt, a few-shot header): enables the "
                     "diagnose-only PrefixCacheIneffective warning when the prefix cache rarely hits.")
+    season: Optional[str] = Field(
+        default=None, pattern=DURATION_PATTERN, max_length=32,
+        description="The traffic's period (e.g. 24h), when it repeats: the autotuner keeps a season of the "
+                    "request rate it saw and adds replicas a pod's start-up ahead of a rise it saw a period ago "
+                    "(unset: no forecast).")
     controller: Literal["Rules", "Model"] = Field(
         default="Rules",
         description="Rules: fixed-ratio steps per diagnosis. Model: replicas and maxNumSeqs sized "

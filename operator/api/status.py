@@ -122,6 +122,12 @@ class ModelMemory(Model):
         description="[unix time, running per replica, prompt tokens/s per replica, mean TPOT s], oldest first.")
     plans: list[list[float]] = Field(default_factory=list, max_length=20,
                                      description="[unix time, planned replicas], oldest first.")
+    grown: list[float] = Field(
+        default_factory=list, max_length=3,
+        description="[unix time, pods] when the pods reporting last grew, then the pods reporting now.")
+    rates: list[list[float]] = Field(
+        default_factory=list, max_length=128,
+        description="With autotune.season: [unix time, request rate /s, serving replicas], oldest first.")
 
 
 class AdviceStatus(Model):

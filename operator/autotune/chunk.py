@@ -8,12 +8,15 @@ throughput up).
 
 The diagnosis reads only what the pods export: the share of the tokens processed that
 are prompt tokens (vllm:prompt_tokens_total against vllm:generation_tokens_total), TPOT
-p95 against the objective, and the queue. Lowered (halved) under TPOTBound with
-prompt-heavy traffic, before the batch is narrowed; raised (doubled, up to the bound)
+p95 against the objective, and the queue. Lowered under TPOTBound with
+prompt-heavy traffic, before the batch is narrowed, in proportion to the excess (halved to
+quartered); raised (doubled, up to the bound)
 when requests queue while TPOT has room. A lowered budget is not raised again within
 flip_backoff_s, and each move is verified on its target signal like any other."""
 
 from __future__ import annotations
+
+import math
 
 from .decision import Bounds, Diagnosis, Settings, Thresholds
 from .history import History
@@ -28,6 +31,17 @@ def prompt_share(s: MetricsSnapshot) -> float:
     return prompt / (prompt + gen) if prompt + gen > 0 else 0.0
 
 
+def lowered(mbt: int, tpot_p95: float | None, objective: float | None, t: Thresholds) -> int:
+    """The chunk budget a TPOT excess points to: scaled by target / TPOT p95 (the steps that
+    carry a chunk are what stretch TPOT, and they shorten with it), to the nearest power of
+    two, at least halved and at most quartered in one move (as the batch width's step)."""
+    if not tpot_p95 or not objective:
+        return mbt // 2
+    want = mbt * t.tpot_target_ratio * objective / tpot_p95
+    nearest = 2 ** round(math.log2(max(want, 1.0)))
+    return int(min(mbt // 2, max(mbt // 4, nearest)))
+
+
 def chunk_change(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: History,
                  now: float, t: Thresholds):
     """(change, target signal, sentence, diagnosis) moving the chunk budget, or None."""
@@ -37,12 +51,13 @@ def chunk_change(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds
     share = prompt_share(s)
     objective = t.tpot_objective_s
     if diagnosis is Diagnosis.TPOT_BOUND and share >= t.chunk_prompt_share:
-        new = max(r.min, cur.max_num_seqs, mbt // 2)
+        new = max(r.min, cur.max_num_seqs, lowered(mbt, s.tpot_p95_s, objective, t))
         if new < mbt and not blocked_move(history, SETTING, -1, now, t):
             return ({SETTING: (mbt, new)}, "tpot_p95_s",
                     f"lower max_num_batched_tokens {mbt} -> {new}: {share:.0%} of the tokens processed are "
                     f"prompt tokens, and each step carrying a chunk of up to {mbt} of them stretches every "
-                    f"running sequence's next token", diagnosis)
+                    f"running sequence's next token (TPOT p95 {1000 * (s.tpot_p95_s or 0):.0f}ms against "
+                    f"{1000 * t.tpot_target_ratio * (objective or 0):.0f}ms aimed at)", diagnosis)
         return None
     tpot_room = objective is None or (s.tpot_p95_s is not None and s.tpot_p95_s <= t.chunk_raise_tpot_ratio * objective)
     if diagnosis in QUEUE_BOUND and mbt < r.max and tpot_room and share >= t.chunk_prompt_share:

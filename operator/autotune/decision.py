@@ -165,6 +165,17 @@ class Thresholds:
     model_max_disagreement: float = 0.2
     model_max_uncertainty: float = 0.2
     scale_out_cooldown_s: float = 15.0  # a planned scale-out may follow another after this
+    # Capacity ahead of load (forecast.py): the traffic's period (autotune.season, a day; None:
+    # no forecast), the points a period is kept at, the lead a new replica needs (its pod's
+    # start-up and an interval) and how long after a rise the rules took to settle; a
+    # forecast acts on a rise of forecast_rise x in the rate a period ago, to at least
+    # forecast_min_rate req/s.
+    season_s: float | None = None
+    season_points: int = 96
+    forecast_lead_s: float = 75.0
+    forecast_settle_s: float = 300.0
+    forecast_rise: float = 1.5
+    forecast_min_rate: float = 0.5
     # Diagnose-only warning: prefix-cache hit rate below this while prompts share a prefix.
     prefix_hit_low: float = 0.2
     # Speculative decoding (speculation.py): a decode step costs about the same up to this many

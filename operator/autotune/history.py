@@ -34,6 +34,12 @@ class History:
     diagnoses: tuple[tuple[float, Diagnosis], ...] = ()  # one per interval, oldest first
     observations: tuple[Observation, ...] = ()  # oldest first
     plans: tuple[tuple[float, int], ...] = ()  # (time, replicas the model planned), oldest first
+    # (time, request rate /s, serving replicas), oldest first: the season forecast.py learns from.
+    rates: tuple[tuple[float, float, int], ...] = ()
+    # (when the pods reporting last grew, how many): a scale-out is judged on a window the
+    # grown fleet served whole. None until a change of the count was seen.
+    grown: tuple[float, int] | None = None
+    pods: int = 0  # the pods reporting at the last interval
     limit: int = 20
     observation_limit: int = 40
 
@@ -41,6 +47,21 @@ class History:
         if obs is None:
             return self
         return replace(self, observations=(self.observations + (obs,))[-self.observation_limit:])
+
+    def saw_pods(self, now: float, n: int) -> History:
+        """This interval's count of pods reporting (0: none reported, nothing learnt)."""
+        if n <= 0 or n == self.pods:
+            return self
+        return replace(self, pods=n, grown=(now, n) if self.pods and n > self.pods else self.grown)
+
+    def grown_within(self, now: float, window_s: float) -> float | None:
+        """Seconds since the pods reporting grew, when that is less than a window ago."""
+        if self.grown is None or now - self.grown[0] >= window_s or self.pods < self.grown[1]:
+            return None
+        return now - self.grown[0]
+
+    def with_rates(self, rates: tuple[tuple[float, float, int], ...]) -> History:
+        return replace(self, rates=rates)
 
     def record(self, decision: Decision, applied: bool) -> History:
         """This interval's decision added; `applied` says whether the caller applied its

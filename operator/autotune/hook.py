@@ -49,6 +49,7 @@ from .advice import restart_advice
 from .capacity import CapacityPlan, plan_capacity
 from .decision import Action, Bounds, Decision, Diagnosis, Range, Settings, Thresholds
 from .prometheus.fleet import FleetReader, FleetReaders
+from .forecast import record as record_rate
 from .history import History
 from .planner import observation
 from .policy import prefix_cache_warning, decide
@@ -108,9 +109,11 @@ def autotune_step_for_pass() -> Callable[[AutotuneContext], AutotuneOutcome]:
 
 def thresholds_for(spec: LLMDeploymentSpec) -> Thresholds:
     tpot = spec.autotune.objectives.tpot
+    season = spec.autotune.season
     return Thresholds(cooldown_s=parse_duration(spec.autotune.cooldown),
                       tpot_objective_s=parse_duration(tpot) if tpot else None,
-                      planner=spec.autotune.controller == "Model")
+                      planner=spec.autotune.controller == "Model",
+                      season_s=parse_duration(season) if season else None)
 
 
 def bounds_for(spec: LLMDeploymentSpec) -> Bounds:
@@ -200,7 +203,8 @@ def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None 
                             f"no decision: reading Prometheus at {(at.prometheus.url or DEFAULT_PROMETHEUS_URL)} failed: {e}")
     plan = capacity_plan(snap, current)
     if snap is not None:
-        history = history.observe(observation(snap, current.replicas))
+        history = record_rate(history.observe(observation(snap, current.replicas)), snap, current.replicas,
+                              thresholds).saw_pods(now, len(snap.pods))
         decision = (_to_zero(reader, spec, owner, current, snap, history, now)
                     or decide(snap, current, bounds_for(spec), history, now, capacity=plan, thresholds=thresholds))
 

@@ -27,6 +27,7 @@ import math
 from .capacity import CapacityPlan
 from .chunk import chunk_change
 from .decision import Action, Bounds, Decision, Diagnosis, Settings, Thresholds
+from .forecast import ahead_of_load, holds_capacity
 from .history import History
 from .memory import PRESSURE, QUEUE_BOUND, blocked_move, broken_width, cap_in_window
 from .planned import PLANNED, plan_from_history, planned_change, scale_out_in_cooldown
@@ -68,9 +69,14 @@ def decide(
 
     verdict = judge_last_change(snapshot, current, bounds, history, now, thresholds)
     urgent = _urgent_scale_out(diagnosis, snapshot, current, bounds, history, thresholds)
+    # Replicas a rise seen a period ago will need (forecast.py): they start now, a pod's
+    # start-up ahead of it; like a scale-out for a queue, nothing else holds them back.
+    ahead = ahead_of_load(snapshot, current, bounds, history, now, thresholds)
     if verdict.wait:
         if urgent is not None:  # judging a setting never keeps capacity from a building queue
             return _change(now, snapshot, urgent, f"{evidence}; {verdict.wait}, but requests queue")
+        if ahead is not None:
+            return _change(now, snapshot, ahead[:3] + (diagnosis,), f"{evidence}; {verdict.wait}")
         return Decision(now, diagnosis, Action.HOLD, f"{evidence}; {verdict.wait}")
     if verdict.revert:
         return Decision(now, diagnosis, Action.REVERT, verdict.note, change=verdict.revert,
@@ -89,6 +95,8 @@ def decide(
                    for k in live if snapshot.reported(k) and snapshot.reported(k) != {getattr(current, k)}]
     if unconfirmed:
         return hold(f"{evidence}; waiting for the pods to report " + ", ".join(unconfirmed))
+    if ahead is not None:
+        return _change(now, snapshot, ahead[:3] + (diagnosis,), evidence, verifies, verified)
     model_plan, model_note = plan_from_history(snapshot, current, bounds, history, now, thresholds)
     if model_note and diagnosis in PLANNED:
         evidence = f"{evidence}; {model_note}"
@@ -131,6 +139,10 @@ def decide(
     change, target, extra, diagnosis = proposal
     if not change:
         return hold(f"{evidence}; {extra}", planned)
+    old, new = change.get("replicas", (0, 0))
+    kept = holds_capacity(history, now, thresholds, new) if new < old else None
+    if kept:
+        return hold(f"{evidence}; {kept}", planned)
     guarded = target is not None and "replicas" not in change and target != "tpot_p95_s"
     return Decision(now, diagnosis, Action.CHANGE, f"{evidence}; {extra}", change=change,
                     target=target, baseline=signal(snapshot, target) if target else None,
@@ -307,9 +319,11 @@ def _urgent_scale_out(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, b
     chunks would only lengthen the queue), for scale_out_windows intervals. A scale-out is
     never reverted, so verifying an earlier settings change, or its cooldown, must not hold it."""
     queueing = (s.queue_time_p95_s or 0.0) >= t.queue_enter_s or (s.num_waiting or 0.0) >= t.waiting_enter
-    # A queue already draining (fewer waiting now than on average over the window) is being
-    # served by the capacity there is: no more on top of it.
-    draining = s.num_waiting_now is not None and s.num_waiting_now < (s.num_waiting or 0.0)
+    # A queue already draining (fewer waiting now than on average over the window, or next to
+    # none: queue p95 still counts the waits of a backlog just served) is being served by the
+    # capacity there is: no more on top of it.
+    draining = s.num_waiting_now is not None and (s.num_waiting_now < (s.num_waiting or 0.0)
+                                                  or s.num_waiting_now < t.waiting_exit)
     if (diagnosis not in (Diagnosis.TPOT_BOUND, Diagnosis.HARDWARE_BOUND) or not queueing or draining
             or (s.pods and len(s.pods) < cur.replicas)):
         return None
@@ -330,6 +344,10 @@ def _scale_out(cur: Settings, bounds: Bounds, history: History, s: MetricsSnapsh
         return {}, None, f"{prefix}an HPA owns the replica count, so replicas are left to it", diagnosis
     if cur.replicas >= bounds.replicas.max:
         return {}, None, f"{prefix}replicas already at the maximum {bounds.replicas.max}", diagnosis
+    served = history.grown_within(s.time, s.window_s)
+    if served is not None:  # most of this window is the smaller fleet's: it says nothing of the new one
+        return {}, None, (f"{prefix}the newest replica has served {served:.0f}s of the {s.window_s:.0f}s "
+                          f"window: judging the fleet as it is before adding more"), diagnosis
     earlier = history.recent_diagnoses(t.scale_out_windows - 1)
     if len(earlier) < t.scale_out_windows - 1 or any(d not in PRESSURE for d in earlier):
         return {}, None, (f"{prefix}adding a replica once this lasts "

@@ -76,7 +76,8 @@ def build_report(decision: Decision, history: History, snapshot: MetricsSnapshot
         recent_diagnoses=[d.value for _, d in history.diagnoses],
         capacity=capacity.to_status() if capacity else None,
         snapshot=snapshot_status(snapshot) if snapshot else None,
-        model=_model_status(history, decision.time) if history.observations or history.plans else None,
+        model=(_model_status(history, decision.time)
+               if history.observations or history.plans or history.rates or history.pods else None),
         advice=advice or [],
     )
 
@@ -94,7 +95,9 @@ def _model_status(history: History, now: float) -> ModelMemory:
         fit=str(model) if model else None,
         observations=[[o.time, round(o.running, 3), round(o.prompt_tokens_per_s, 1), round(o.tpot_s, 6)]
                       for o in history.observations],
-        plans=[[t, n] for t, n in history.plans])
+        plans=[[t, n] for t, n in history.plans],
+        rates=[[t, round(r, 4), n] for t, r, n in history.rates],
+        grown=[*history.grown, history.pods] if history.grown else ([history.pods] if history.pods else []))
 
 
 def history_from_status(status: dict | None, limit: int = 20) -> History:
@@ -119,12 +122,15 @@ def history_from_status(status: dict | None, limit: int = 20) -> History:
     end = _parse_time(last.time) if last is not None and last.time is not None else 0.0
     n = len(report.recent_diagnoses)
     diagnoses = tuple((end - (n - 1 - i), Diagnosis(d)) for i, d in enumerate(report.recent_diagnoses))
-    observations, plans = (), ()
+    observations, plans, rates, grown, pods = (), (), (), None, 0
     if report.model is not None:
         observations = tuple(Observation(*row[:4]) for row in report.model.observations if len(row) >= 4)
         plans = tuple((row[0], int(row[1])) for row in report.model.plans if len(row) >= 2)
+        rates = tuple((row[0], row[1], int(row[2])) for row in report.model.rates if len(row) >= 3)
+        g = report.model.grown
+        grown, pods = ((g[0], int(g[1])), int(g[2])) if len(g) == 3 else (None, int(g[0]) if g else 0)
     return History(entries=tuple(entries)[-limit:], diagnoses=diagnoses[-limit:], limit=limit,
-                   observations=observations, plans=plans)
+                   observations=observations, plans=plans, rates=rates, grown=grown, pods=pods)
 
 
 TABLE_HEADER = (f"{'time':<8} {'KV%':>5} {'preempt/s':>9} {'queue p95':>9} {'TTFT p95':>8} {'TPOT p95':>8} "

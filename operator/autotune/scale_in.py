@@ -1,8 +1,9 @@
-"""Capacity comes back when demand falls, by rule, without the deployment model: one
-replica fewer once the deployment has been calm for `scale_in_windows` intervals and the
-load of the replicas left would still sit well inside every limit it shows today.
+"""Capacity comes back when demand falls, by rule, without the deployment model: the fewest
+replicas (down to half the fleet in one move) that would carry the load, once the
+deployment has been calm for `scale_in_windows` intervals and the load of the replicas
+left would still sit well inside every limit it shows today.
 
-The projection is the plain share: with R replicas serving, R - 1 carry R / (R - 1) of
+The projection is the plain share: with R replicas serving, R - k carry R / (R - k) of
 each pod's running sequences, KV cache and prompt tokens, and TPOT p95 is projected to grow
 in proportion too (it must stay under `scale_in_tpot_ratio` x the objective); a fitted
 deployment model whose windows determine its terms, trusted or not, may veto the move where
@@ -60,8 +61,10 @@ def load_when_added(history: History, replicas: int, now: float, t: Thresholds) 
 
 def scale_in_when_calm(s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: History, now: float,
                        t: Thresholds):
-    """(change, target, sentence, diagnosis) removing a replica, an explanation of why not
-    yet ({} change), or None when there is nothing to remove."""
+    """(change, target, sentence, diagnosis) removing replicas, an explanation of why not
+    yet ({} change), or None when there is nothing to remove. Several go at once, down to
+    half the fleet, when the load would sit inside every limit with that many fewer (a
+    burst's replicas come back in a step or two, not one a cooldown)."""
     floor = max(bounds.replicas.min, 1)
     if cur.replicas <= floor or cur.hpa_owns_scale:
         return None
@@ -71,21 +74,42 @@ def scale_in_when_calm(s: MetricsSnapshot, cur: Settings, bounds: Bounds, histor
     earlier = history.recent_diagnoses(t.scale_in_windows - 1)
     if len(earlier) < t.scale_in_windows - 1 or any(d not in CALM for d in earlier):
         return {}, None, f"removing a replica once calm for {t.scale_in_windows} intervals", Diagnosis.HEALTHY
-    blocked = flipped(history, now, t, cur.replicas - 1)
+    # A fitted model too uncertain to size capacity may still veto giving it back: its TPOT
+    # with fewer replicas grows with the prompt load's share of each step.
+    model = fit(history, now) if len(history.observations) >= 3 else None
+    lowest = max(floor, -(-cur.replicas // 2))
+    for target in range(lowest, cur.replicas):  # the fewest replicas that carry the load
+        if not limits_at(s, cur, history, now, t, target, serving, model):
+            k = cur.replicas / target
+            running = (s.num_running or 0.0) / serving * k
+            return ({"replicas": (cur.replicas, target)}, None,
+                    f"remove {'a replica' if target == cur.replicas - 1 else 'replicas'} {cur.replicas} -> {target}: "
+                    f"calm for {t.scale_in_windows} intervals, and {target} would carry {running:.1f} running each, "
+                    f"KV peak ~{(s.kv_usage_max or 0) * k:.0%}", Diagnosis.HEALTHY)
+    limits = limits_at(s, cur, history, now, t, cur.replicas - 1, serving, model)
+    return {}, None, "keeping the replicas: with one fewer " + "; ".join(limits), Diagnosis.HEALTHY
+
+
+def limits_at(s: MetricsSnapshot, cur: Settings, history: History, now: float, t: Thresholds, target: int,
+              serving: int, model) -> list[str]:
+    """What would break with `target` replicas instead of cur.replicas ([] when nothing)."""
+    blocked = flipped(history, now, t, target)
     if blocked:
-        return {}, None, blocked, Diagnosis.HEALTHY
-    k = cur.replicas / (cur.replicas - 1)
+        return [blocked]
+    k = cur.replicas / target
     limits = []
     # Hysteresis on demand: a replica added because the smaller fleet was under pressure
     # goes only once the load is well below what that fleet could not carry.
-    added_at = load_when_added(history, cur.replicas, now, t)
-    if added_at is not None:
-        prompt0, running0 = added_at
-        m = t.scale_in_load_margin
-        if (s.prompt_tokens_per_s or 0.0) > m * prompt0 or (s.num_running or 0.0) > m * running0:
-            limits.append(f"the load ({s.prompt_tokens_per_s or 0:.0f} prompt tok/s, {s.num_running or 0:.0f} running) "
-                          f"is above {m:g} x what {cur.replicas - 1} replica(s) were short of ({prompt0:.0f}, "
-                          f"{running0:.0f})")
+    for r in range(cur.replicas, target, -1):
+        added_at = load_when_added(history, r, now, t)
+        if added_at is not None:
+            prompt0, running0 = added_at
+            m = t.scale_in_load_margin
+            if (s.prompt_tokens_per_s or 0.0) > m * prompt0 or (s.num_running or 0.0) > m * running0:
+                limits.append(f"the load ({s.prompt_tokens_per_s or 0:.0f} prompt tok/s, {s.num_running or 0:.0f} "
+                              f"running) is above {m:g} x what {r - 1} replica(s) were short of ({prompt0:.0f}, "
+                              f"{running0:.0f})")
+                break
     if (s.kv_usage_max or 0.0) * k > t.kv_low_exit:
         limits.append(f"KV usage peak {s.kv_usage_max:.0%} x {k:.2f} > {t.kv_low_exit:.0%}")
     running = (s.num_running or 0.0) / serving * k
@@ -97,16 +121,8 @@ def scale_in_when_calm(s: MetricsSnapshot, cur: Settings, bounds: Bounds, histor
         limits.append(f"TPOT p95 {1000 * s.tpot_p95_s:.0f}ms x {k:.2f} > {t.scale_in_tpot_ratio:g} x the objective")
     if (s.queue_time_p95_s or 0.0) >= t.queue_exit_s or (s.num_waiting or 0.0) >= t.waiting_exit:
         limits.append("requests queue")
-    # A fitted model too uncertain to size capacity may still veto giving it back: its TPOT
-    # at one replica fewer grows with the prompt load's share of each step.
-    model = fit(history, now) if len(history.observations) >= 3 else None
     if model is not None and model.cov is not None and t.tpot_objective_s is not None:
-        after = _p95_after(s, cur, cur.replicas - 1, model)
+        after = _p95_after(s, cur, target, model)
         if after > t.scale_in_tpot_ratio * t.tpot_objective_s:
             limits.append(f"the fitted model puts TPOT p95 at ~{1000 * after:.0f}ms")
-    if limits:
-        return {}, None, "keeping the replicas: with one fewer " + "; ".join(limits), Diagnosis.HEALTHY
-    return ({"replicas": (cur.replicas, cur.replicas - 1)}, None,
-            f"remove a replica {cur.replicas} -> {cur.replicas - 1}: calm for {t.scale_in_windows} intervals, and "
-            f"{cur.replicas - 1} would carry {running:.1f} running each, KV peak ~{(s.kv_usage_max or 0) * k:.0%}",
-            Diagnosis.HEALTHY)
+    return limits

@@ -21,7 +21,7 @@ from kvpilot.engine.fleet.scoring import met_slo, score, window_stats
 
 from . import rivals
 from ..decision import Bounds, Range, Thresholds
-from ..loop_defaults import COOLDOWN_S, INTERVAL_S, REPLICA_STARTUP_S, SCRAPE_S, WINDOW_S
+from .loop_defaults import COOLDOWN_S, INTERVAL_S, REPLICA_STARTUP_S, SCRAPE_S, WINDOW_S
 from .rival_dynamo import DynamoPlanner
 from .autotuner import AutoController, AutotuneSettings, drive
 
@@ -57,7 +57,11 @@ def auto_settings(scen: Scenario, max_replicas: int, planner: bool = True,
     return AutotuneSettings(
         mode="Auto", interval_s=INTERVAL_S * f, window_s=WINDOW_S * f,
         bounds=Bounds(Range(1, 1024), Range(1024, 32768), Range(1, max_replicas)),
-        thresholds=Thresholds(tpot_objective_s=tpot, cooldown_s=COOLDOWN_S * f, planner=planner),
+        # The traffic's period, where the scenario says it repeats (a user's autotune.season):
+        # the forecast's lead is a pod's start-up and an interval.
+        thresholds=Thresholds(tpot_objective_s=tpot, cooldown_s=COOLDOWN_S * f, planner=planner,
+                              season_s=scen.season_s, forecast_lead_s=(REPLICA_STARTUP_S + INTERVAL_S) * f,
+                              forecast_settle_s=Thresholds.forecast_settle_s * f),
         replica_startup_s=REPLICA_STARTUP_S * f)
 
 

@@ -117,6 +117,14 @@ def build_scenario(args: argparse.Namespace):
         from dataclasses import replace
 
         scen = replace(scen, max_replicas=args.max_replicas)
+    if args.days != 1:
+        scen = scen.repeated(args.days)
+    if args.season is not None:
+        if not args.season > 0:
+            raise ValueError(f"season must be positive seconds, got {args.season}")
+        from dataclasses import replace
+
+        scen = replace(scen, season_s=args.season)
     if args.client_timeout is not None:
         if not args.client_timeout > 0:
             raise ValueError(f"client_timeout must be positive seconds, got {args.client_timeout}")
@@ -258,6 +266,12 @@ def add_parser(sub) -> None:
     p.add_argument("--split", type=float, default=None, metavar="F",
                    help="also choose the best static point on the first F of the trace and judge it beside "
                         "Auto on the rest")
+    p.add_argument("--days", type=int, default=1, metavar="N",
+                   help="the scenario (or trace) N times back to back, its length the season Auto may learn a "
+                        "daily pattern over; with --split (N-1)/N the last day is judged apart")
+    p.add_argument("--season", type=float, default=None, metavar="S",
+                   help="the traffic's period in seconds (a day: 86400) for Auto's forecast (default: none, or "
+                        "the day's length with --days)")
     p.add_argument("--time-scale", type=float, default=1.0, help="every phase this many times as long")
     p.add_argument("--scale-controls", action="store_true",
                    help="with --time-scale below 1: every control loop (scrapes, HPA sync and stabilization, "

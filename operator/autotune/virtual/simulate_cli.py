@@ -80,7 +80,7 @@ def _cmd(args: argparse.Namespace) -> int:
 def add_parser(subparsers) -> None:
     from kvpilot.engine.config.args import add_engine_args
 
-    from ..loop_defaults import COOLDOWN_S, INTERVAL_S, REPLICA_STARTUP_S, SCRAPE_S, WINDOW_S
+    from .loop_defaults import COOLDOWN_S, INTERVAL_S, REPLICA_STARTUP_S, SCRAPE_S, WINDOW_S
     from kvpilot.engine.fleet.cli import add_workload_args
 
     group = subparsers.add_parser("autotune", help="the autotuner outside Kubernetes")

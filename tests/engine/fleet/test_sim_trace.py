@@ -106,3 +106,17 @@ def test_phase_and_length_specs_are_validated():
     with pytest.raises(ValueError, match="uniform:LO:HI needs LO <= HI"):
         OutputLengths.parse("uniform:9:5")
     json.dumps(TraceRequest(0, 1, 1).to_json())
+
+
+def test_a_repeated_scenario_is_its_days_back_to_back_with_the_day_as_its_season():
+    from kvpilot.engine.fleet.scenarios import DAY, from_trace
+
+    two = DAY.repeated(2)
+    assert two.duration == 2 * DAY.duration and two.season_s == DAY.duration
+    assert [p.name for p in two.phases][:2] == ["chat@1", "rag@1"] and two.phases[-1].name == "batch"
+    assert len(two.slos) == 2 * len(DAY.slos) and DAY.repeated(1) is DAY
+    assert two.scaled(0.5).season_s == DAY.duration / 2
+    replay = from_trace("t", [TraceRequest(0.0, 10, 5), TraceRequest(9.0, 10, 5)]).repeated(3)
+    assert [r.arrival for r in replay.trace()][:4] == pytest.approx([0.0, 9.0, 9.000001, 18.000001])
+    with pytest.raises(ValueError, match="days"):
+        DAY.repeated(0)

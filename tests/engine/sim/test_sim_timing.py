@@ -151,3 +151,34 @@ def test_config_json_dtype_and_float32_default(tmp_path):
     assert resolve_model_shape(str(tmp_path), "float32").kv_bytes_per_token == 2 * 28 * 4 * 128 * 4
     assert isinstance(resolve_model_shape(str(tmp_path)), ModelShape)
     assert resolve_model_shape("qwen2.5-7b").attention_bias
+
+
+@given(seqs=st.lists(st.tuples(st.integers(1, 3000), st.integers(0, 30000)), min_size=0, max_size=12),
+       tp_size=st.sampled_from([1, 2, 8]), name=st.sampled_from(sorted(ACCELERATORS)))
+@settings(max_examples=60, deadline=None)
+def test_the_step_timer_gives_step_times_bit_for_bit(seqs, tp_size, name):
+    # The simulator's per-step StepTimer hoists step_cost's constants: every float must be
+    # the same, or a contest's results would move with an optimisation.
+    from kvpilot.engine.sim.hardware import INTERCONNECTS
+    from kvpilot.engine.sim.parallel import SINGLE_GPU, TensorParallel
+    from kvpilot.engine.sim.timing import StepTimer
+
+    acc = ACCELERATORS[name]
+    par = TensorParallel(tp_size, INTERCONNECTS["nvlink4"]) if tp_size > 1 else SINGLE_GPU
+    batch = BatchShape.of([(new, new + ctx) for new, ctx in seqs])
+    assert StepTimer(LLAMA8B, acc, par)(batch) == step_time(LLAMA8B, acc, batch, par)
+
+
+def test_next_tokens_are_the_token_sources_tokens():
+    from types import SimpleNamespace
+
+    from kvpilot.engine.config.simulation import OutputLengths
+    from kvpilot.engine.sim.tokens import TokenSource
+
+    src = TokenSource(3, 128000, 2, OutputLengths.parse("fixed:4"))
+    reqs = [SimpleNamespace(seed=s, output_token_ids=[0] * n,
+                            sampling_params=SimpleNamespace(ignore_eos=ie, min_tokens=0))
+            for s, n, ie in ((1, 0, True), (2**40 + 7, 5, True), (99, 3, False), (5, 17, False))]
+    assert src.next_tokens(reqs)[2] == [2]  # EOS at the fourth token where it is not ignored
+    want = [[src.token(r.seed, len(r.output_token_ids), r.sampling_params.ignore_eos)] for r in reqs]
+    assert src.next_tokens(reqs) == want

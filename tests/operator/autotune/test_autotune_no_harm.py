@@ -10,6 +10,7 @@ from dataclasses import replace
 from kvpilot.operator.autotune import Action, Bounds, Decision, Diagnosis, History, Range, Settings, MetricsSnapshot, decide
 from kvpilot.operator.autotune.decision import Thresholds
 from kvpilot.operator.autotune.history import Observation
+from kvpilot.operator.autotune.signals import PodSettings
 from kvpilot.operator.autotune.planner import observation
 
 T0 = 1_700_000_000.0
@@ -114,6 +115,9 @@ def test_chunk_size_moves_under_prompt_heavy_traffic():
     d = decide(prompt_heavy, CUR, BOUNDS, History(), T0, thresholds=t)
     assert d.diagnosis is Diagnosis.TPOT_BOUND
     assert d.change == {"max_num_batched_tokens": (8192, 4096)} and d.target == "tpot_p95_s"
+    # Four times over the objective: the budget goes as far as a step may take it (a quarter).
+    d = decide(replace(prompt_heavy, tpot_p95_s=0.197), CUR, BOUNDS, History(), T0, thresholds=t)
+    assert d.change == {"max_num_batched_tokens": (8192, 2048)} and "197ms against 45ms" in d.reason
     # Decode-heavy traffic with the same TPOT narrows the batch instead.
     decode_heavy = replace(prompt_heavy, prompt_tokens_per_s=500.0, generation_tokens_per_s=3000.0, num_running=200.0)
     d = decide(decode_heavy, CUR, BOUNDS, History(), T0, thresholds=t)
@@ -206,3 +210,50 @@ def test_a_replica_added_for_pressure_stays_while_the_load_does():
     fallen = snap(num_running=60.0, prompt_tokens_per_s=8000.0, tpot_p95_s=0.012, kv_usage_max=0.1)
     decisions, after = run_intervals([fallen] * 8, cur, t=t, history=h)
     assert after.replicas == 1
+
+
+def test_a_replica_just_started_is_judged_before_another_is_added():
+    # As on the conversation trace at x4: a second replica came up 15 s ago; the window is still
+    # mostly the one replica's queue, so a third waits until a window has seen the two.
+    t = Thresholds(tpot_objective_s=0.05, cooldown_s=60.0)
+    cur = replace(CUR, replicas=2)
+    added = Decision(T0 - 75, Diagnosis.TPOT_BOUND, Action.CHANGE, "queue", change={"replicas": (1, 2)},
+                     target="queue_time_p95_s", baseline=1.0)
+    h = History().saw_pods(T0 - 300, 1).record(added, applied=True).saw_pods(T0 - 15, 2)
+    for k in range(3):
+        h = h.record(Decision(T0 - 60 + 15 * k, Diagnosis.TPOT_BOUND, Action.HOLD, "queue"), applied=False)
+    queued = snap(tpot_p95_s=0.03, num_running=255.0, running_min=200.0, queue_time_p95_s=1.5, num_waiting=12.0,
+                  num_waiting_now=20.0, prompt_tokens_per_s=2000.0, generation_tokens_per_s=4000.0,
+                  pods=tuple(PodSettings(f"p{i}", 256, 32768) for i in range(2)))  # HardwareBound
+    d = decide(queued, cur, BOUNDS, h, T0, thresholds=t)
+    assert "replicas" not in d.change and "newest replica has served 15s" in d.reason
+    later = decide(replace(queued, time=T0 + 50), cur, BOUNDS, h, T0 + 50, thresholds=t)
+    assert later.change == {"replicas": (2, 3)}
+
+
+def test_a_bursts_replicas_come_back_in_halves_not_one_a_cooldown():
+    cur = replace(CUR, replicas=6)
+    quiet = snap(num_running=1.0, kv_usage_max=0.01, request_rate_per_s=0.1, prompt_tokens_per_s=80.0,
+                 tpot_p95_s=0.01)
+    decisions, after = run_intervals([quiet] * 16, cur, t=Thresholds(tpot_objective_s=0.05, cooldown_s=60.0))
+    moves = [d.change["replicas"] for d in decisions if "replicas" in d.change]
+    assert moves[0] == (6, 3) and after.replicas == 1, moves
+
+
+def test_a_backlog_already_served_adds_no_replica():
+    # The day's chat: the backlog drained as the second replica came up; queue p95 still
+    # counts its waits, but nothing waits now.
+    t = Thresholds(tpot_objective_s=0.05, cooldown_s=60.0)
+    chunk = Decision(T0 - 45, Diagnosis.TPOT_BOUND, Action.CHANGE, "earlier",
+                     change={"max_num_batched_tokens": (4096, 2048)}, target="tpot_p95_s", baseline=0.055)
+    h = History().record(chunk, applied=True)
+    for k in range(2):
+        h = h.record(Decision(T0 - 30 + 15 * k, Diagnosis.TPOT_BOUND, Action.HOLD, "verifying"), applied=False)
+    cur = replace(CUR, replicas=2, max_num_batched_tokens=2048)
+    served = snap(tpot_p95_s=0.042, num_running=139.0, running_min=60.0, queue_time_p95_s=40.0, num_waiting=0.0,
+                  num_waiting_now=0.0, kv_usage_mean=0.22, kv_usage_max=0.63, prompt_tokens_per_s=26000.0,
+                  generation_tokens_per_s=6000.0)
+    d = decide(served, cur, BOUNDS, h, T0, thresholds=t)
+    assert "replicas" not in d.change, d.reason
+    building = replace(served, num_waiting=20.0, num_waiting_now=40.0)
+    assert decide(building, cur, BOUNDS, h, T0, thresholds=t).change == {"replicas": (2, 3)}
