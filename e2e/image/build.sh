@@ -97,7 +97,8 @@ build_target() {
     make_room "$cache" "$version" "$target"
     log "building $name (inputs $hash, storage $driver); the first build takes minutes"
     start=$SECONDS
-    $BUILDAH bud --layers --pull=never -f "$repo/Containerfile" --target "$target" \
+    # --force-rm: a failed step's working container (the engine's holds 6 GB) goes too.
+    $BUILDAH bud --layers --force-rm --pull=never -f "$repo/Containerfile" --target "$target" \
         --build-arg "BASE=$base" --build-arg "SLIM_BASE=$slim" --build-arg "RUNTIME_BASE=$runtime" "${secret[@]}" \
         --label "org.opencontainers.image.version=$version" \
         --label "org.opencontainers.image.title=kvpilot-$target" \
