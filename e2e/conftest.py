@@ -32,7 +32,6 @@ from localcluster.build import (ensure_binaries, ensure_images, ensure_keda,  # 
 IMAGES = pytest.StashKey[list]()  # (name, OCI archive) of the images built for this session
 
 
-
 def pytest_configure(config):
     config.addinivalue_line("markers", "keda: needs KEDA built from its Go module (~11 min the first time); "
                                        "run by make autotune-bench, not make test")
