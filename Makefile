@@ -41,7 +41,7 @@ test: dev lint node-deps
 
 # The unit tests alone: no cluster, no GPU; xdist over the machine's cores.
 test-fast: dev
-	$(VENV)/bin/pytest -q -n $(JOBS) --durations=20 tests
+	$(VENV)/bin/pytest -q -n $(JOBS) --dist loadfile --durations=20 tests
 
 # kvpilot's two images from the Containerfile's targets, kvpilot/operator:<version> (no torch)
 # and kvpilot/engine:<version>, built on this machine without a registry (buildah; Debian bases

@@ -14,7 +14,7 @@ start=$(date +%s)
 out=$(mktemp -d "${TMPDIR:-/tmp}/kvpilot-test.XXXXXX")
 trap 'rm -rf "$out"' EXIT
 
-nice -n 10 "$PYTEST" -q -n "$JOBS" --durations=20 tests > "$out/unit.log" 2>&1 &
+nice -n 10 "$PYTEST" -q -n "$JOBS" --dist loadfile --durations=20 tests > "$out/unit.log" 2>&1 &
 unit=$!
 # Ctrl-C or a kill stops both parts.
 trap 'kill -INT $unit 2>/dev/null; wait $unit 2>/dev/null; rm -rf "$out"; exit 130' INT TERM
