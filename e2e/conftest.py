@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from localcluster import LocalCluster, wait_for as _wait_for  # noqa: E402
 from localcluster.build import (ensure_binaries, ensure_images, ensure_keda,  # noqa: E402
-                                ensure_node_binaries, ensure_prometheus)
+                                ensure_node_binaries, ensure_prometheus, ensure_prometheus_operator)
 
 IMAGES = pytest.StashKey[list]()  # (name, OCI archive) of the images built for this session
 
@@ -55,6 +55,7 @@ def pytest_collection_finish(session):
         ensure_binaries()
         ensure_node_binaries()
         ensure_prometheus()
+        ensure_prometheus_operator()
         # kvpilot's own images: every pod runs from one of them
         session.config.stash[IMAGES] = ensure_images(image_targets(session.items))
         if any(Path(str(i.path)).name == "test_keda.py" for i in session.items):

@@ -146,7 +146,7 @@ def install_operator(cluster: LocalCluster, resync_s: int = 5, values: dict | No
     values = {"gateway.enabled": "false", **(values or {})}
     extra = [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
     out = subprocess.run([helm, "template", RELEASE, str(CHART), "-n", OPERATOR_NS, "--include-crds",
-                          "--kube-version", "1.31.0", "--set", "engine.prometheusURL=http://127.0.0.1:9090",
+                          "--kube-version", "1.31.0", *cluster.helm_args(),
                           "--set", f"resyncInterval={resync_s}", "--set", "logLevel=INFO", *extra],
                          capture_output=True, text=True)
     if out.returncode != 0:

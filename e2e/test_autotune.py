@@ -14,6 +14,10 @@ accelerator in place of the forward pass), under load sent from this process.
        H100: TPOTBound narrows what each decode step carries (max_num_seqs, or the prompt
        chunk, max_num_batched_tokens) and TPOT falls.
 
+Metrics reach the autotuner as on a kube-prometheus-stack install: the real Prometheus Operator
+runs Prometheus, which scrapes the simulated pods through the chart's PodMonitor, and the
+LLMDeployments name no URL (the chart's default, prometheus-operated in `monitoring`).
+
 The three run at once, each in its own namespace, because each spends its time waiting on the
 autotuner's windows and the timing model, not on this machine's CPU. Case b (too few seqs,
 requests queue while the cache sits idle: raised) is the demo's story, test_simulated's fast
@@ -23,6 +27,7 @@ image); the controller's logic is tested in virtual time in tests/operator/autot
 Each case prints the figures it measured (pytest -s shows them)."""
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,7 +36,8 @@ import httpx
 import pytest
 
 import kvsession as ks
-from test_operator import diagnose, operator_leader
+import tiny_autotune as tiny
+from test_operator import condition, diagnose, operator_leader
 
 pytestmark = pytest.mark.e2e
 
@@ -49,6 +55,7 @@ OVERLOAD = ks.Workload(num_requests=3000, rate=4.0, max_concurrency=400, seed=3,
 # with prompt chunks, and the more sequences run, the more prompt work each output token waits on.
 PROMPT_HEAVY = ks.Workload(num_requests=3000, rate=float("inf"), max_concurrency=32, seed=5,
                            input_min=1500, input_max=2500, output_min=40, output_max=80, stream=False)
+DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"  # the chart's engine.prometheusURL
 BYTES_PER_TOKEN_8B = 32 * 8 * 128 * 2 * 2  # layers x KV heads x head dim x (K, V) x 2 bytes
 
 
@@ -83,31 +90,11 @@ def tpot_mean(cluster, ns: str) -> float | None:
     return promql(cluster, f'{rate(ns, name + "_sum")} / {rate(ns, name + "_count")}')
 
 
-def status(kube, ns: str) -> dict:
-    return (ks.get_llmd(kube, ns, NAME) or {}).get("status") or {}
-
-
-def autotune(kube, ns: str) -> dict:
-    return status(kube, ns).get("autotune") or {}
-
-
-def applied_changes(kube, ns: str, setting: str) -> list[dict]:
-    return [d for d in autotune(kube, ns).get("history", []) if setting in d.get("change", {}) and d.get("applied")]
-
-
-def events(kube, ns: str, reason: str) -> list[dict]:
-    items = kube.get(f"/api/v1/namespaces/{ns}/events")["items"]
-    return [e for e in items if e.get("reason") == reason and e["involvedObject"].get("kind") == "LLMDeployment"]
-
-
-def trail(kube, ns: str) -> str:
-    """The autotuner's report, for a failure message."""
-    st = autotune(kube, ns)
-    lines = [f"diagnoses: {st.get('recentDiagnoses')}", f"last: {st.get('lastDecision')}",
-             f"snapshot: {st.get('snapshot')}", f"capacity: {(st.get('capacity') or {}).get('summary')}"]
-    lines += [f"  {d['time']} {d['action']} {d['change']} applied={d.get('applied')} "
-              f"verified={d.get('verified')}: {d['reason']}" for d in st.get("history", [])]
-    return "\n".join(lines)
+# The chart's autotuner report for this module's deployment, `sim` (tiny_autotune reads `tiny`).
+autotune = functools.partial(tiny.autotune, name=NAME)
+applied_changes = functools.partial(tiny.applied_changes, name=NAME)
+trail = functools.partial(tiny.trail, name=NAME)
+events = tiny.events
 
 
 def until(kube, ns: str, predicate, timeout: float, what: str, cluster=None):
@@ -122,8 +109,9 @@ def deploy(cluster, kube, engine: dict, *, seqs: tuple[int, int], mode: str, max
     ns = f"at-{uuid.uuid4().hex[:6]}"
     spec_engine = {"maxModelLen": 8192, "maxNumBatchedTokens": 8192, "blockSize": 16,
                    "gpuMemoryUtilization": 0.9, **engine}
+    # No Prometheus URL: the chart's default, the Prometheus Operator's prometheus-operated in
+    # `monitoring`, which scrapes the pods through the chart's PodMonitor (localcluster/monitoring.py).
     at = {"mode": mode, "interval": INTERVAL, "window": WINDOW, "cooldown": COOLDOWN,
-          "prometheus": {"url": cluster.prometheus_url},
           "maxNumSeqs": {"min": seqs[0], "max": seqs[1]}, "maxModelLen": {"min": 8192, "max": 8192}}
     m = ks.llmd_manifest(ns, NAME, spec_engine, at, resources={"gpus": 1, "cpu": "100m", "memory": "512Mi"},
                          autoscaling={"minReplicas": 1, "maxReplicas": max_replicas},
@@ -167,6 +155,8 @@ def case_a(cluster, kube) -> str:
         lowered = first["change"]["maxNumSeqs"][1]
         assert first["diagnosis"] == "PreemptionBound" and lowered < 256, first
         assert "preemptions" in first["reason"], first
+        metrics = condition(ks.get_llmd(kube, ns, NAME), "MetricsAvailable")
+        assert metrics.get("status") == "True" and DEFAULT_PROMETHEUS in metrics["message"], metrics
         before = preemptions_per_token(cluster, ns)  # the window the decision read, at 256
         # the tuning ConfigMap reaches the engine, which runs the lowered setting
         until(kube, ns, lambda: (engine_setting(cluster, ns, "kvpilot:max_num_seqs") or 999) <= lowered,

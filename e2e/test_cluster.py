@@ -1,6 +1,7 @@
 """The local Kubernetes itself: Deployments of containers (from kvpilot's
 image) become Available on the kubelet node, Services get EndpointSlices and
-route through their ClusterIP and DNS name, Prometheus scrapes pods, scaling
+route through their ClusterIP and DNS name, the Prometheus Operator's Prometheus scrapes
+the pods a PodMonitor selects, scaling
 and deletion start and stop containers, ConfigMap changes reach mounted files,
 Pod Security and a read-only root are enforced, and `kubectl logs`, `exec`
 and `port-forward` work."""
@@ -15,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from localcluster.build import KVPILOT_IMAGE
+from localcluster import monitoring
+from localcluster.build import KVPILOT_OPERATOR_IMAGE as KVPILOT_IMAGE  # the small one; it has a Python
 
 pytestmark = pytest.mark.e2e
 
@@ -35,9 +37,7 @@ def echo_manifests(ns: str, replicas: int = 2) -> list[dict]:
          "data": {"message": "hello v1"}},
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "echo", "namespace": ns},
          "spec": {"replicas": replicas, "selector": {"matchLabels": labels}, "template": {
-             "metadata": {"labels": labels, "annotations": {
-                 "prometheus.io/scrape": "true", "prometheus.io/port": "8080",
-                 "prometheus.io/path": "/metrics"}},
+             "metadata": {"labels": labels},
              "spec": {"terminationGracePeriodSeconds": 5, "securityContext": POD_SECURITY, "containers": [{
                  "name": "echo", "image": KVPILOT_IMAGE,  # it has a Python
                  "command": ["python", "/app/echo_server.py"],
@@ -59,6 +59,13 @@ def echo_manifests(ns: str, replicas: int = 2) -> list[dict]:
                              {"name": "scratch", "emptyDir": {}}]}}}},
         {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "echo", "namespace": ns},
          "spec": {"selector": labels, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}},
+        # Selected by the cluster's Prometheus through the label kube-prometheus-stack selects on.
+        {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+         "metadata": {"name": "echo", "namespace": ns, "labels": monitoring.SELECT_LABELS},
+         "spec": {"selector": {"matchLabels": labels},
+                  "podMetricsEndpoints": [{"port": "http", "path": "/metrics",
+                                           "relabelings": [{"action": "labelmap",
+                                                            "regex": "__meta_kubernetes_pod_label_(.+)"}]}]}},
     ]
 
 

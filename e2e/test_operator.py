@@ -124,7 +124,7 @@ def installed_operator(cluster, wait_for, resync_interval: float = 10, values: d
     values = {"gateway.enabled": "false", **(values or {})}
     extra = [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
     out = subprocess.run([helm, "template", RELEASE, str(CHART), "-n", OPERATOR_NS, "--include-crds",
-                          "--kube-version", "1.31.0", "--set", "engine.prometheusURL=http://127.0.0.1:9090",
+                          "--kube-version", "1.31.0", *cluster.helm_args(),
                           "--set", f"resyncInterval={resync_interval}", "--set", "logLevel=INFO", *extra],
                          capture_output=True, text=True, check=True).stdout
     docs = [d for d in yaml.safe_load_all(out) if d]

@@ -1,7 +1,7 @@
 """Helpers for e2e tests that autotune real `kvpilot serve` pods on builtin:tiny (the engine
 image): a deployment in its own namespace, load from `kvpilot bench serve` in a thread, and the
 autotuner's report read back (test_operator_ha and test_operator_faults use them; the autotuner's
-own cases run on simulated pods, test_autotune)."""
+own cases run on simulated pods, test_autotune, which reads its report with these helpers too)."""
 from __future__ import annotations
 
 import asyncio
@@ -78,12 +78,14 @@ def deploy(cluster, kube, wait_for, *, seqs: int, seqs_range: tuple[int, int], k
     return ns, pod
 
 
-def autotune(kube, ns: str) -> dict:
-    return ((llmd(kube, ns) or {}).get("status") or {}).get("autotune") or {}
+def autotune(kube, ns: str, name: str = "tiny") -> dict:
+    """status.autotune of LLMDeployment `name` (test_autotune's is `sim`)."""
+    return ((llmd(kube, ns, name) or {}).get("status") or {}).get("autotune") or {}
 
 
-def applied_changes(kube, ns: str, setting: str) -> list[dict]:
-    return [d for d in autotune(kube, ns).get("history", []) if setting in d.get("change", {}) and d.get("applied")]
+def applied_changes(kube, ns: str, setting: str, name: str = "tiny") -> list[dict]:
+    return [d for d in autotune(kube, ns, name).get("history", [])
+            if setting in d.get("change", {}) and d.get("applied")]
 
 
 def events(kube, ns: str, reason: str) -> list[dict]:
@@ -91,9 +93,9 @@ def events(kube, ns: str, reason: str) -> list[dict]:
     return [e for e in items if e.get("reason") == reason and e["involvedObject"].get("kind") == "LLMDeployment"]
 
 
-def trail(kube, ns: str) -> str:
+def trail(kube, ns: str, name: str = "tiny") -> str:
     """The autotuner's report, for a failure message."""
-    st = autotune(kube, ns)
+    st = autotune(kube, ns, name)
     lines = [f"diagnoses: {st.get('recentDiagnoses')}", f"last: {st.get('lastDecision')}",
              f"snapshot: {st.get('snapshot')}", f"capacity: {(st.get('capacity') or {}).get('summary')}"]
     lines += [f"  {d['time']} {d['action']} {d['change']} applied={d.get('applied')} "

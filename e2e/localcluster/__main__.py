@@ -7,7 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from .build import ensure_binaries, ensure_images, ensure_keda, ensure_node_binaries, ensure_prometheus
+from .build import (ensure_binaries, ensure_images, ensure_keda, ensure_node_binaries, ensure_prometheus,
+                    ensure_prometheus_operator)
 from .cluster import ClusterError, LocalCluster
 from .paths import REPO_ROOT
 
@@ -20,7 +21,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.command == "build":
         t = time.monotonic()
-        print(ensure_binaries(), *ensure_node_binaries().values(), ensure_prometheus(), ensure_keda(),
+        print(ensure_binaries(), *ensure_node_binaries().values(), ensure_prometheus(), ensure_prometheus_operator(),
+              ensure_keda(),
               *(path for _, path in ensure_images()), f"({time.monotonic() - t:.0f}s)")
         return 0
     state = args.dir / "state.json"

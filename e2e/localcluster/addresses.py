@@ -4,7 +4,8 @@ podnet.choose_octet so it overlaps nothing on the machine):
   veth          10.K.255.253 (the node's InternalIP) <-> 10.K.255.254 on the host,
                 where the API server and Prometheus listen
   Services      10.K.254.0/24 (kube-proxy's iptables rules live in the namespace)
-  cluster DNS   10.K.254.10"""
+  cluster DNS   10.K.254.10
+  Prometheus    10.K.254.9:9090 (the Service in front of the Prometheus Operator's pod)"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,3 +45,9 @@ class ClusterAddresses:
     @property
     def dns_ip(self) -> str:
         return f"10.{self.octet}.254.10"
+
+    @property
+    def prometheus_ip(self) -> str:
+        """The fixed ClusterIP of Service monitoring/prometheus: the host reaches it through
+        the namespace's kube-proxy rules, pods through their own."""
+        return f"10.{self.octet}.254.9"

@@ -1,6 +1,7 @@
 """Locates the Go-built binaries, building them once (progress on stderr):
 Kubernetes (e2e/k8s), the node's runtime (e2e/containerd, e2e/cni, e2e/pause,
-e2e/coredns, e2e/deviceplugin), Prometheus (e2e/prometheus) and KEDA (e2e/keda)."""
+e2e/coredns, e2e/deviceplugin), Prometheus (e2e/prometheus), the Prometheus Operator
+(e2e/prometheus-operator) and KEDA (e2e/keda)."""
 from __future__ import annotations
 
 import subprocess
@@ -54,6 +55,13 @@ def ensure_prometheus() -> Path:
 def ensure_promtool() -> Path:
     """promtool from the same Prometheus release (checks and unit-tests alerting rules)."""
     return _ensure("prometheus", ("prometheus", "promtool")) / "promtool"
+
+
+def ensure_prometheus_operator() -> Path:
+    """The bin folder with the Prometheus Operator's `operator` and
+    `prometheus-config-reloader`; its release's CRDs are in ../crds."""
+    return _ensure("prometheus-operator", ("operator", "prometheus-config-reloader",
+                                           "../crds/monitoring.coreos.com_prometheuses.yaml"))
 
 
 def ensure_keda() -> Path:

@@ -1,7 +1,7 @@
 """LocalCluster: starts, health-waits and stops a whole local Kubernetes
 (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, a real node of
-containerd, kubelet, kube-proxy and a device plugin, CoreDNS, Prometheus) in
-one work folder:
+containerd, kubelet, kube-proxy and a device plugin, CoreDNS, the Prometheus
+Operator and the Prometheus it runs, monitoring.py) in one work folder:
 
     workdir/kubeconfig      admin kubeconfig (client certificate in system:masters)
     workdir/env             KUBECONFIG=... and PROMETHEUS_URL=... lines
@@ -25,18 +25,21 @@ from typing import Any, Iterable
 import httpx
 import yaml
 
-from . import cgroups, prometheus
+from . import cgroups, monitoring
 from .addons import build_coredns
-from .build import ensure_binaries, ensure_images, ensure_node_binaries, ensure_prometheus, version_of
+from .build import (ensure_binaries, ensure_images, ensure_node_binaries, ensure_prometheus,
+                    ensure_prometheus_operator, version_of)
 from .certs import Pki, make_pki
 from .controlplane import Ports, apiserver_argv, controller_manager_argv, etcd_argv, scheduler_argv
 from .kube import Credentials, Kube
 from .kubeconfig import write_kubeconfig
 from .kubeletnode import (CGROUP_PREFIX, COREDNS_IMAGE_REPO, Ctr, NodeBinaries, containerd_argv,
-                          device_plugin_argv, ensure_binary_archives, kube_proxy_argv, kubelet_argv,
+                          binary_images, device_plugin_argv, kube_proxy_argv, kubelet_argv,
                           preflight, root_in_use, shared_containerd_root, sweep_stale, unmount_stale,
                           unmount_under, write_node_files)
+from .monitoring import MonitoringBinaries
 from .nodeconfig import NodeLayout
+from .ociarchive import ensure_archives
 from .paths import K8S_VERSION
 from .podnet import PodNetwork, choose_octet
 from .ports import free_port
@@ -47,7 +50,7 @@ from .waiting import wait_for
 # only on request (keda.py, after the cluster is up); listed so that stop() and
 # attach() treat them as the cluster's own.
 ORDER = ["podnet", "etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
-         "containerd", "kubelet", "device-plugin", "kube-proxy", "prometheus",
+         "containerd", "kubelet", "device-plugin", "kube-proxy", "prometheus-operator",
          "keda-operator", "keda-adapter"]
 # CPU, memory and disk are the host's own (the kubelet reads them); the GPUs are the
 # device plugin's simulated ones.
@@ -139,11 +142,12 @@ class LocalCluster:
             if old.running():
                 raise ClusterError(f"a cluster is already running in {self.workdir}; stop it first")
             old.stop()
-        for sub in ("pki", "etcd", "run", "node", "prometheus"):
+        for sub in ("pki", "etcd", "run", "node"):
             shutil.rmtree(self.workdir / sub, ignore_errors=True)
         self.workdir.mkdir(parents=True, exist_ok=True)
         bin_dir = ensure_binaries()
-        prom_exe = ensure_prometheus() if self.with_prometheus else None
+        mon = (MonitoringBinaries(ensure_prometheus(), ensure_prometheus_operator())
+               if self.with_prometheus else None)
         # Built (first run) or checked before anything starts.
         self._node_bins = ensure_node_binaries()
         if self.images is None:
@@ -151,7 +155,7 @@ class LocalCluster:
         self.state = {"cluster_id": uuid.uuid4().hex[:12], "bin_dir": str(bin_dir),
                       "version": K8S_VERSION, "workdir": str(self.workdir), "started": time.time()}
         try:
-            self._start(bin_dir, prom_exe)
+            self._start(bin_dir, mon)
         except BaseException:
             self._log(f"start failed; logs are in {self.workdir / 'logs'}")
             self.stop()
@@ -187,7 +191,8 @@ class LocalCluster:
             raise ClusterError(f"{e}; last log lines:\n{self.log_tail(name)}") from None
         self._log(f"{name} ready ({time.monotonic() - t:.1f}s)")
 
-    def _start_kubelet_node(self, net: PodNetwork, pki: Pki, kube: Kube) -> None:
+    def _start_kubelet_node(self, net: PodNetwork, pki: Pki, kube: Kube,
+                            mon: MonitoringBinaries | None) -> None:
         nb = self._node_bins
         bins = NodeBinaries(k8s=self.bin_dir, containerd=nb["containerd"], cni=nb["cni"],
                             pause=nb["pause"], coredns=nb["coredns"],
@@ -213,7 +218,7 @@ class LocalCluster:
         ctr = Ctr(bins.containerd, layout.containerd_socket)
         self._wait("containerd", ctr.ready, timeout=60)
         ctr.remove_workloads()
-        archives = ensure_binary_archives(bins) + self.images
+        archives = ensure_archives(binary_images(bins) + (mon.images() if mon else [])) + self.images
         for ref, archive in archives:
             ctr.import_archive(archive, ref, self._log)
         self.state["images"] = [[ref, str(archive)] for ref, archive in archives]
@@ -224,7 +229,18 @@ class LocalCluster:
         self._spawn("device-plugin", device_plugin_argv(bins, layout, int(self.capacity["nvidia.com/gpu"])))
         self._spawn("kube-proxy", kube_proxy_argv(bins, files, net.netns))
 
-    def _start(self, bin_dir: Path, prom_exe: Path | None) -> None:
+    def _start_monitoring(self, mon: MonitoringBinaries, pki: Pki, kube: Kube, port: int) -> None:
+        """The Prometheus Operator's CRDs and process, then what it runs (monitoring.py)."""
+        self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(mon.crds))
+        names = [f"{kind}.{monitoring.CRD_GROUP}" for kind in ("prometheuses", "podmonitors",
+                                                                "servicemonitors", "prometheusrules")]
+        wait_for(lambda: all(_established(kube, n) for n in names), timeout=60,
+                 what="the Prometheus Operator's CRDs to be established")
+        self._spawn("prometheus-operator", monitoring.operator_argv(
+            mon, self.server, pki.ca, pki.cert("admin"), pki.key("admin"), port))
+        self.apply(monitoring.manifests(self.state["prometheus_ip"], self.scrape_interval))
+
+    def _start(self, bin_dir: Path, mon: MonitoringBinaries | None) -> None:
         # Pod network first: the API server listens on its gateway.
         octet = choose_octet()
         holder = self._spawn("podnet", ["unshare", "--net", "--", "sleep", "infinity"])
@@ -232,11 +248,12 @@ class LocalCluster:
         net.setup()
         gw = net.host_ip
         ports = Ports(etcd_client=free_port(), etcd_peer=free_port(), apiserver=free_port(gw),
-                      controller_manager=free_port(), scheduler=free_port(), prometheus=free_port(gw))
+                      controller_manager=free_port(), scheduler=free_port(), prometheus_operator=free_port())
         self.state.update(gateway=gw, net_octet=octet, ports=ports.__dict__,
                           server=f"https://{gw}:{ports.apiserver}")
-        if prom_exe:
-            self.state["prometheus_url"] = f"http://{gw}:{ports.prometheus}"
+        if mon:
+            self.state["prometheus_ip"] = net.prometheus_ip
+            self.state["prometheus_url"] = f"http://{net.prometheus_ip}:{monitoring.PORT}"
         self._save_state()
 
         pki = make_pki(self.workdir / "pki", [gw, f"10.{octet}.254.1"])
@@ -260,12 +277,9 @@ class LocalCluster:
                     controller_manager_argv(bin_dir, pki, ports, kcm_kc, net.service_cidr,
                                             KUBELET_NODE_CONTROLLERS))
         self._spawn("kube-scheduler", scheduler_argv(bin_dir, ports, sched_kc))
-        self._start_kubelet_node(net, pki, kube)
-        if prom_exe:
-            cfg = prometheus.write_config(self.workdir / "prometheus.yml", self.server, pki,
-                                          self.scrape_interval)
-            self._spawn("prometheus", prometheus.argv(prom_exe, cfg, self.workdir / "prometheus",
-                                                      gw, ports.prometheus))
+        self._start_kubelet_node(net, pki, kube, mon)
+        if mon:
+            self._start_monitoring(mon, pki, kube, ports.prometheus_operator)
 
         insecure = lambda port: httpx.get(f"https://127.0.0.1:{port}/healthz", verify=False,  # noqa: E731
                                           timeout=2).status_code == 200
@@ -280,9 +294,19 @@ class LocalCluster:
         wait_for(lambda: _deployment_available(kube, "kube-system", "coredns"), timeout=60,
                  what="CoreDNS to become ready")
         self._log(f"CoreDNS ready ({time.monotonic() - t:.1f}s)")
-        if prom_exe:
-            self._wait("prometheus", lambda: httpx.get(f"{self.prometheus_url}/-/ready",
-                                                       timeout=2).status_code == 200)
+        if mon:
+            self._wait("prometheus-operator",
+                       lambda: _answers(f"http://127.0.0.1:{ports.prometheus_operator}/healthz"))
+            # Its pod: the operator's StatefulSet, the node's image, the Service's kube-proxy rules.
+            t = time.monotonic()
+            try:
+                wait_for(lambda: _answers(f"{self.prometheus_url}/-/ready"), timeout=180,
+                         what="Prometheus (the operator's pod) to answer")
+            except TimeoutError as e:
+                pods = self.kubectl("get", "pods,statefulsets,events", "-n", monitoring.NAMESPACE, check=False)
+                raise ClusterError(f"{e}:\n{pods.stdout}{pods.stderr}\nthe operator's log:\n"
+                                   f"{self.log_tail('prometheus-operator')}") from None
+            self._log(f"Prometheus ready ({time.monotonic() - t:.1f}s)")
         # Pods need their namespace's default ServiceAccount and root CA ConfigMap.
         wait_for(lambda: kube.get("/api/v1/namespaces/default/serviceaccounts/default", ok404=True)
                  and kube.get("/api/v1/namespaces/default/configmaps/kube-root-ca.crt", ok404=True),
@@ -378,6 +402,16 @@ class LocalCluster:
         if self.prometheus_url:
             env["PROMETHEUS_URL"] = self.prometheus_url
         return env
+
+    def helm_args(self) -> list[str]:
+        """`helm template` arguments for kvpilot's chart on this cluster: its Prometheus
+        Operator's API (which `helm install` finds by itself) and the monitoring values
+        (monitoring.chart_values)."""
+        if not self.prometheus_url:
+            return []
+        values = monitoring.chart_values(self.scrape_interval)
+        return ["--api-versions", f"{monitoring.CRD_GROUP}/v1",
+                *(a for k, v in values.items() for a in ("--set", f"{k}={v}"))]
 
     def api_client(self):
         """A `kubernetes` python client ApiClient for this cluster."""
@@ -488,3 +522,16 @@ def _node_ready(kube: Kube, name: str) -> bool:
         return False
     return any(c["type"] == "Ready" and c["status"] == "True"
                for c in node.get("status", {}).get("conditions", []))
+
+
+def _established(kube: Kube, crd: str) -> bool:
+    got = kube.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd}", ok404=True) or {}
+    return any(c["type"] == "Established" and c["status"] == "True"
+               for c in got.get("status", {}).get("conditions") or [])
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -32,7 +32,7 @@ class Ports:
     apiserver: int
     controller_manager: int
     scheduler: int
-    prometheus: int
+    prometheus_operator: int
 
 
 def etcd_argv(bin: Path, data: Path, p: Ports) -> list[str]:

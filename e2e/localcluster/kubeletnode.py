@@ -26,7 +26,7 @@ from .cgroups import CGROUP_FS, hierarchies, kill_and_remove
 from .certs import Pki, issue
 from .kubeconfig import write_kubeconfig
 from .nodeconfig import NodeLayout, containerd_config, cni_conflist, kube_proxy_config, kubelet_config, resolv_conf
-from .ociarchive import BinaryImage, write_archive
+from .ociarchive import BinaryImage
 from .paths import cache_dir
 
 K8S_NAMESPACE = "k8s.io"  # containerd's namespace for the CRI
@@ -210,19 +210,6 @@ def binary_images(bins: NodeBinaries) -> list[tuple[BinaryImage, Path]]:
         (BinaryImage(f"{COREDNS_IMAGE_REPO}:{coredns}", bins.coredns, "/coredns"),
          out / f"coredns-{coredns}.tar"),
     ]
-
-
-def ensure_binary_archives(bins: NodeBinaries) -> list[tuple[str, Path]]:
-    """Writes each archive again only when its binary changed."""
-    done = []
-    for image, path in binary_images(bins):
-        stamp = path.with_suffix(".source")
-        source = f"{image.binary}:{image.binary.stat().st_mtime_ns}:{image.binary.stat().st_size}"
-        if not path.exists() or not stamp.exists() or stamp.read_text() != source:
-            write_archive(image, path)
-            stamp.write_text(source)
-        done.append((image.ref, path))
-    return done
 
 
 CGROUP_PREFIX = "kvpilot-"  # + the cluster id: the kubelet's cgroupRoot

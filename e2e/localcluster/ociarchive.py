@@ -40,6 +40,11 @@ def _layer(image: BinaryImage) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         data = image.binary.read_bytes()
+        parts = image.path_in_image.strip("/").split("/")
+        for i in range(1, len(parts)):  # /bin of /bin/prometheus
+            folder = tarfile.TarInfo("/".join(parts[:i]))
+            folder.type, folder.mode, folder.mtime = tarfile.DIRTYPE, 0o755, 0
+            tar.addfile(folder)
         info = tarfile.TarInfo(image.path_in_image.lstrip("/"))
         info.size, info.mode, info.mtime = len(data), 0o755, 0
         tar.addfile(info, io.BytesIO(data))
@@ -88,3 +93,16 @@ def write_archive(image: BinaryImage, out: Path) -> Path:
             tar.addfile(info, io.BytesIO(data))
     tmp.replace(out)
     return out
+
+
+def ensure_archives(images: list[tuple[BinaryImage, Path]]) -> list[tuple[str, Path]]:
+    """(name, archive) of each image, its archive written again only when its binary changed."""
+    done = []
+    for image, path in images:
+        stamp = path.with_suffix(".source")
+        source = f"{image.binary}:{image.binary.stat().st_mtime_ns}:{image.binary.stat().st_size}"
+        if not path.exists() or not stamp.exists() or stamp.read_text() != source:
+            write_archive(image, path)
+            stamp.write_text(source)
+        done.append((image.ref, path))
+    return done
