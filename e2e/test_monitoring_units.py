@@ -39,6 +39,13 @@ def test_prometheus_selects_the_stacks_label_everywhere_and_sits_behind_a_fixed_
         assert spec[f"{kind}NamespaceSelector"] == {}  # every namespace
     assert spec["scrapeInterval"] == spec["evaluationInterval"] == "1s"
     assert spec["image"].endswith(":" + monitoring.prometheus_release())
+    # The reloader re-reads the config every few seconds (a monitor's change is scraped within
+    # a test's patience), with every other argument the operator gives it, for this Prometheus.
+    reloader, prometheus = spec["containers"]
+    assert prometheus["name"] == "prometheus" and prometheus["startupProbe"]["periodSeconds"] == 1
+    assert reloader["name"] == "config-reloader" and "--watch-interval=5s" in reloader["args"]
+    assert f"--watched-dir=/etc/prometheus/rules/prometheus-{monitoring.PROMETHEUS}-rulefiles-0" in reloader["args"]
+    assert any(a.startswith("--config-file=") for a in reloader["args"])
     svc = docs["Service"]["spec"]
     assert svc["clusterIP"] == "10.42.254.9" and svc["ports"][0]["port"] == monitoring.PORT
     assert svc["clusterIP"] not in (addr.dns_ip,)

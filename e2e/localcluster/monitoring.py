@@ -36,6 +36,17 @@ SELECT_LABELS = {"release": "kube-prometheus-stack"}
 PROMETHEUS_IMAGE_REPO = "docker.io/kvpilot/prometheus"
 RELOADER_IMAGE_REPO = "docker.io/kvpilot/prometheus-config-reloader"
 CRD_GROUP = "monitoring.coreos.com"
+# The config reloader's own arguments as the operator (v0.85.0, pkg/operator/config_reloader.go)
+# generates them for Prometheus `local`, plus a 5 s re-read. The reloader's inotify watch is on
+# the config file's inode, which the kubelet replaces on a Secret's first update, so later
+# monitor changes wait for its periodic re-read, 3 minutes by default (what users of the stack
+# see); the rules folder is watched as a folder and reloads at once. `spec.containers` merges
+# into the operator's container by name, and `args` is replaced whole, hence the full list.
+RELOADER_ARGS = ["--listen-address=:8080", "--reload-url=http://localhost:9090/-/reload",
+                 "--config-file=/etc/prometheus/config/prometheus.yaml.gz",
+                 "--config-envsubst-file=/etc/prometheus/config_out/prometheus.env.yaml",
+                 f"--watched-dir=/etc/prometheus/rules/prometheus-{PROMETHEUS}-rulefiles-0",
+                 "--watch-interval=5s"]
 
 
 def prometheus_release() -> str:
@@ -110,7 +121,12 @@ def manifests(prometheus_ip: str, scrape_interval: str) -> list[dict]:
              "podMonitorSelector": {"matchLabels": SELECT_LABELS},
              "podMonitorNamespaceSelector": everything,
              "ruleSelector": {"matchLabels": SELECT_LABELS}, "ruleNamespaceSelector": everything,
-             "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}}}},
+             "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
+             "containers": [
+                 {"name": "config-reloader", "args": RELOADER_ARGS},
+                 # The operator's startup probe runs every 15 s, so a Prometheus up in 2 s would
+                 # count as started at 15: probe every second instead (same 15 min allowance).
+                 {"name": "prometheus", "startupProbe": {"periodSeconds": 1, "failureThreshold": 900}}]}},
         {"apiVersion": "v1", "kind": "Service", "metadata": {"name": SERVICE, **meta},
          "spec": {"clusterIP": prometheus_ip, "selector": {"prometheus": PROMETHEUS},
                   "ports": [{"name": "web", "port": PORT, "targetPort": "web"}]}},
