@@ -27,7 +27,7 @@ from kvpilot.engine.bench.serve import stream_completion
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from localcluster import LocalCluster, wait_for  # noqa: E402
-from localcluster.build import ensure_images  # noqa: E402
+from localcluster.build import ensure_cluster_parts, ensure_images  # noqa: E402
 from localcluster.cluster import ClusterError  # noqa: E402
 from background import AsyncWorker  # noqa: E402
 from timeline import Change, Sample  # noqa: E402
@@ -80,7 +80,7 @@ def open_cluster(workdir: Path, targets: tuple[str, ...] = ("operator", "engine"
             return c, False
     log(f"starting a local cluster in {workdir} (the first run on a machine builds Kubernetes, "
         "containerd, CoreDNS, Prometheus and kvpilot's image: progress below)")
-    c = LocalCluster(workdir, detached=True, images=ensure_images(targets))
+    c = LocalCluster(workdir, detached=True, images=ensure_cluster_parts(targets))
     c.start()
     return c, True
 

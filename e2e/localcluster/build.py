@@ -5,6 +5,7 @@ e2e/coredns, e2e/deviceplugin), Prometheus (e2e/prometheus), the Prometheus Oper
 from __future__ import annotations
 
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .paths import E2E_DIR, PROJECT_VERSION, cache_dir
@@ -90,3 +91,20 @@ def ensure_images(targets: tuple[str, ...] = ("operator", "engine")) -> list[tup
         raise RuntimeError("building kvpilot's images failed (see the output above)")
     archives = r.stdout.strip().splitlines()[-len(targets):]
     return [(IMAGE_REFS[t], Path(a)) for t, a in zip(targets, archives)]
+
+
+def ensure_cluster_parts(image_targets: tuple[str, ...]) -> list[tuple[str, Path]]:
+    """Everything a cluster start and a chart install need, built once, and kvpilot's images
+    as (name, archive). The Go programs build one after another (each build keeps both cores
+    busy) while the images build beside them: theirs is mostly downloading and unpacking
+    (Debian's packages, wheels), which a cold start would otherwise wait for on its own."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="image-build") as pool:
+        images = pool.submit(ensure_images, image_targets)
+        ensure_binaries()
+        ensure_prometheus()
+        ensure_prometheus_operator()
+        ensure_node_binaries()
+        r = subprocess.run([str(E2E_DIR / "build-helm.sh")], stdout=subprocess.DEVNULL, stderr=None)
+        if r.returncode != 0:
+            raise RuntimeError("building helm failed (see the output above)")
+        return images.result()
