@@ -64,13 +64,20 @@ main() {
     # lock no other build of ours is running, and nothing else here uses buildah's storage.
     $BUILDAH rm --all >/dev/null 2>&1 || true
 
-    local base slim runtime bases
-    base=$("$here/base.sh" full | tail -n1)
+    # The operator image is built on the slim and runtime bases only; the full one (a C
+    # compiler, the largest) is made only when the engine is a target.
+    local base slim runtime slim_bases bases_of
+    declare -A bases_of
     slim=$("$here/base.sh" slim | tail -n1)
     runtime=$("$here/base.sh" runtime | tail -n1)
-    bases="base $($BUILDAH inspect --type image --format '{{.FromImageID}}' "$base")"
-    bases="$bases slim $($BUILDAH inspect --type image --format '{{.FromImageID}}' "$slim")"
-    bases="$bases runtime $($BUILDAH inspect --type image --format '{{.FromImageID}}' "$runtime")"
+    slim_bases="slim $($BUILDAH inspect --type image --format '{{.FromImageID}}' "$slim")"
+    slim_bases="$slim_bases runtime $($BUILDAH inspect --type image --format '{{.FromImageID}}' "$runtime")"
+    bases_of[operator]=$slim_bases
+    base=$slim  # the engine stage's base; unused when only the operator is built
+    if [[ " ${targets[*]} " == *" engine "* ]]; then
+        base=$("$here/base.sh" full | tail -n1)
+        bases_of[engine]="base $($BUILDAH inspect --type image --format '{{.FromImageID}}' "$base") $slim_bases"
+    fi
     for target in "${targets[@]}"; do
         build_target "$target"
     done
@@ -81,7 +88,7 @@ build_target() {
     local target=$1 name ref hash archive start cert secret=()
     name=kvpilot/$target:$version
     ref=docker.io/$name # the name containerd (and so the kubelet) will know it by
-    hash=$(inputs "$repo" "$here" "target $target $bases compression $compression" | sha256sum | cut -c1-12)
+    hash=$(inputs "$repo" "$here" "target $target ${bases_of[$target]} compression $compression" | sha256sum | cut -c1-12)
     archive=$cache/kvpilot-$target-$version-$hash.oci.tar
     if [[ -s $archive ]]; then
         log "up to date: $archive"
