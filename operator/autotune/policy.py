@@ -276,7 +276,7 @@ def _act(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds: Bounds
                     f"lower max_num_seqs {cur.max_num_seqs} -> {new} (the batch width scaled "
                     f"to aim at {t.tpot_target_ratio:g} x the objective)", diagnosis)
         note = blocked or f"max_num_seqs cannot go lower usefully (at {cur.max_num_seqs}, bound {bounds.max_num_seqs.min})"
-        return _scale_out(cur, bounds, history, s, t, note, Diagnosis.HARDWARE_BOUND)
+        return _scale_out(cur, bounds, history, s, t, note, Diagnosis.HARDWARE_BOUND, on_queue=False)
     if diagnosis is Diagnosis.SCHEDULER_BOUND:
         new = raise_seqs(s, cur, bounds, t)
         tpot_block = tpot_blocks_raise(s, cur, t)
@@ -331,6 +331,17 @@ def _urgent_scale_out(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, b
     return out if out[0] else None
 
 
+def backlog_served(s: MetricsSnapshot, t: Thresholds) -> str | None:
+    """Why the queue is no reason to add capacity (None when it is): next to nothing waits now.
+    Queue p95 (recorded as requests leave the queue) and mean waiting still show a backlog
+    already served; whether the fleet serves fast enough is for TPOT and the model's plan."""
+    now = s.num_waiting_now
+    if now is None or now >= t.waiting_exit:
+        return None
+    return (f"queue p95 {s.queue_time_p95_s or 0.0:.2f}s and {s.num_waiting or 0.0:.1f} waiting on average, "
+            f"but {now:.1f} waiting now: the backlog has been served, so no replica for it")
+
+
 def _change(now: float, s: MetricsSnapshot, proposal, evidence: str, verifies=None, verified=None) -> Decision:
     change, target, extra, diagnosis = proposal
     return Decision(now, diagnosis, Action.CHANGE, f"{evidence}; {extra}", change=change, target=target,
@@ -338,8 +349,11 @@ def _change(now: float, s: MetricsSnapshot, proposal, evidence: str, verifies=No
 
 
 def _scale_out(cur: Settings, bounds: Bounds, history: History, s: MetricsSnapshot, t: Thresholds,
-               note: str, diagnosis: Diagnosis):
+               note: str, diagnosis: Diagnosis, *, on_queue: bool = True):
+    """A replica once pressure lasts; `on_queue`: the evidence is a queue, still there now."""
     prefix = f"{note}; " if note else ""
+    if on_queue and (served := backlog_served(s, t)):
+        return {}, None, f"{prefix}{served}", diagnosis
     if cur.hpa_owns_scale:
         return {}, None, f"{prefix}an HPA owns the replica count, so replicas are left to it", diagnosis
     if cur.replicas >= bounds.replicas.max:

@@ -89,7 +89,7 @@ def test_a_needed_replica_stays():
 def test_length_bound_at_its_bound_still_scales_out():
     cur = replace(CUR, max_model_len=32768)
     queued = snap(length_refusals_per_s=0.2, request_rate_per_s=4.0, queue_time_p95_s=30.0, num_waiting=300.0,
-                  kv_usage_mean=0.95, kv_usage_max=0.99, num_running=150.0, running_min=120.0,
+                  num_waiting_now=300.0, kv_usage_mean=0.95, kv_usage_max=0.99, num_running=150.0, running_min=120.0,
                   request_len_p99=20000.0, tpot_p95_s=0.03)
     decisions, after = run_intervals([queued] * 4, cur, t=Thresholds(tpot_objective_s=0.05, cooldown_s=60.0))
     assert decisions[0].diagnosis is not Diagnosis.LENGTH_BOUND and "its bound" in decisions[0].reason

@@ -1,0 +1,114 @@
+"""No replica for a backlog already served: every rule that scales out on queueing evidence
+(HardwareBound, SchedulerBound and KVCacheBound with no move left, PreemptionBound at its
+minimum) needs requests still waiting at the window's end. Queue p95 is recorded as requests
+leave the queue, so a window's p95 still counts the waits of a backlog the fleet has just
+served (the held-out Mooncake window added a fifth replica on queue p95 1.64 s with nothing
+waiting). TPOT over its objective is other evidence and still scales out."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from kvpilot.operator.autotune import Action, Bounds, Decision, Diagnosis, History, MetricsSnapshot, Range, Settings, decide
+from kvpilot.operator.autotune.decision import Thresholds
+
+T0 = 1_700_000_000.0
+BOUNDS = Bounds(Range(4, 256), Range(1024, 32768), Range(1, 8))
+CUR = Settings(max_num_seqs=64, max_model_len=32768, replicas=1)
+RULES = Thresholds(tpot_objective_s=0.05)
+
+# The queue-based routes to a scale-out, each as (diagnosis, settings, window of queueing).
+QUEUED = dict(queue_time_p95_s=1.64, num_waiting=3.0, num_waiting_now=4.0)
+ROUTES = {
+    # running below the cap, cache cool: neither setting helps (the Mooncake window's)
+    "hardware": (Diagnosis.HARDWARE_BOUND, CUR, dict(num_running=20.0, kv_usage_mean=0.24, kv_usage_max=0.52)),
+    # the cap binds but max_num_seqs is at its bound
+    "scheduler": (Diagnosis.SCHEDULER_BOUND, replace(CUR, max_num_seqs=256),
+                  dict(num_running=256.0, kv_usage_mean=0.15, kv_usage_max=0.2)),
+    # preempting at max_num_seqs' minimum
+    "preemption": (Diagnosis.PREEMPTION_BOUND, replace(CUR, max_num_seqs=4),
+                   dict(num_running=4.0, kv_usage_mean=0.97, kv_usage_max=1.0, preemptions_per_s=0.5)),
+}
+
+
+def snap(**kw) -> MetricsSnapshot:
+    base = dict(time=T0, window_s=60.0, kv_usage_mean=0.3, kv_usage_max=0.5, preemptions_per_s=0.0,
+                queue_time_p95_s=0.02, ttft_p95_s=0.3, tpot_p95_s=0.03, tpot_mean_s=0.02, num_waiting=0.0,
+                num_waiting_now=0.0, num_running=20.0, running_min=5.0, request_rate_per_s=3.0,
+                generation_tokens_per_s=600.0, prompt_tokens_per_s=9000.0, request_len_p99=4000.0)
+    base.update(kw)
+    return MetricsSnapshot(**base)
+
+
+def past(*diagnoses, step=15.0) -> History:
+    h = History()
+    for k, d in enumerate(diagnoses):
+        h = h.record(Decision(T0 - step * (len(diagnoses) - k), d, Action.HOLD, "earlier"), applied=False)
+    return h
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+@pytest.mark.parametrize("t", [RULES, replace(RULES, planner=True)], ids=["rules", "model-untrusted"])
+def test_a_served_backlog_adds_no_replica_whatever_the_rule(route, t):
+    earlier, cur, load = ROUTES[route]
+    history = past(earlier, earlier)
+    queueing = snap(**load, **QUEUED)
+    d = decide(queueing, cur, BOUNDS, history, T0, thresholds=t)
+    assert d.change == {"replicas": (1, 2)}, d.reason  # the route scales out on a queue there now
+    served = replace(queueing, num_waiting_now=0.0)
+    d = decide(served, cur, BOUNDS, history, T0, thresholds=t)
+    assert d.action is Action.HOLD and "replicas" not in d.change, d.reason
+    assert "0.0 waiting now: the backlog has been served" in d.reason
+    # a queue still there, however small the window's mean, is queueing now
+    still = replace(queueing, num_waiting=0.2, num_waiting_now=1.0)
+    assert decide(still, cur, BOUNDS, history, T0, thresholds=t).change == {"replicas": (1, 2)}
+
+
+def test_the_mooncake_window_holds_its_replicas():
+    # 405 s into Mooncake's 10-20 min window: 4 replicas, queue p95 1.64 s, nothing waiting
+    # on average or now, KV 24 % (the model distrusted, so the rules decided): it added a fifth.
+    cur = replace(CUR, max_num_seqs=37, replicas=4, max_num_batched_tokens=4096)
+    s = snap(num_running=11.0, kv_usage_mean=0.24, kv_usage_max=0.52, queue_time_p95_s=1.64, num_waiting=0.0,
+             num_waiting_now=0.0, tpot_p95_s=0.045, length_refusals_per_s=0.27)
+    d = decide(s, cur, BOUNDS, past(Diagnosis.HARDWARE_BOUND, Diagnosis.HARDWARE_BOUND), T0,
+               thresholds=replace(RULES, planner=True))
+    assert d.diagnosis is Diagnosis.HARDWARE_BOUND and "replicas" not in d.change, d.reason
+
+
+def test_tpot_over_its_objective_still_scales_out_with_nothing_waiting():
+    # TPOT is the evidence, not the queue: at the narrowest batch only more replicas help.
+    cur = replace(CUR, max_num_seqs=4)
+    s = snap(num_running=4.0, tpot_p95_s=0.08, queue_time_p95_s=1.0, num_waiting_now=0.0)
+    history = past(Diagnosis.TPOT_BOUND, Diagnosis.TPOT_BOUND)
+    d = decide(s, cur, BOUNDS, history, T0, thresholds=RULES)
+    assert d.change == {"replicas": (1, 2)}, d.reason
+
+
+def test_the_served_window_still_counts_toward_a_sustained_queue():
+    # Held once on a served backlog, the next window with a queue there now scales out: the
+    # served window was pressure too, so the scale-out does not start counting again.
+    cur, load = ROUTES["hardware"][1:]
+    history = past(Diagnosis.HARDWARE_BOUND)
+    served = snap(**load, **dict(QUEUED, num_waiting_now=0.0))
+    d = decide(served, cur, BOUNDS, history, T0, thresholds=RULES)
+    assert "replicas" not in d.change
+    history = history.record(d, applied=False)
+    again = snap(time=T0 + 15.0, **load, **QUEUED)
+    assert decide(again, cur, BOUNDS, history, T0 + 15.0, thresholds=RULES).change == {"replicas": (1, 2)}
+
+
+def test_a_full_cache_with_max_model_len_held_adds_no_replica_for_a_served_backlog():
+    # KVCacheBound whose move (lower max_model_len) is blocked right after a raise for refusals.
+    raised = Decision(T0 - 300.0, Diagnosis.LENGTH_BOUND, Action.CHANGE, "refusals",
+                      change={"max_model_len": (16384, 32768)}, target="length_refusals_per_s", baseline=0.5)
+    history = History().record(raised, applied=True)
+    for k in range(2):
+        history = history.record(Decision(T0 - 30.0 + 15 * k, Diagnosis.KV_CACHE_BOUND, Action.HOLD, "earlier"),
+                                 applied=False)
+    s = snap(kv_usage_mean=0.95, kv_usage_max=0.99, request_len_p99=3000.0, num_running=30.0, **QUEUED)
+    d = decide(s, CUR, BOUNDS, history, T0, thresholds=RULES)
+    assert d.diagnosis is Diagnosis.HARDWARE_BOUND and d.change == {"replicas": (1, 2)}, d.reason
+    d = decide(replace(s, num_waiting_now=0.0), CUR, BOUNDS, history, T0, thresholds=RULES)
+    assert "replicas" not in d.change and "backlog has been served" in d.reason, d.reason
