@@ -64,6 +64,9 @@ def test_a_served_backlog_adds_no_replica_whatever_the_rule(route, t):
     # a queue still there, however small the window's mean, is queueing now
     still = replace(queueing, num_waiting=0.2, num_waiting_now=1.0)
     assert decide(still, cur, BOUNDS, history, T0, thresholds=t).change == {"replicas": (1, 2)}
+    # pods that do not say what waits now: the window's own queue decides, as before
+    unknown = replace(served, num_waiting_now=None)
+    assert decide(unknown, cur, BOUNDS, history, T0, thresholds=t).change == {"replicas": (1, 2)}
 
 
 def test_the_mooncake_window_holds_its_replicas():
