@@ -247,9 +247,10 @@ def plan(s: MetricsSnapshot, cur: Settings, bounds: Bounds, model: StepModel, t:
     prompt_per_request = (s.prompt_tokens_per_s or 0.0) / s.request_rate_per_s
     waiting_now = s.num_waiting_now or 0.0
     # Arrivals: what finished plus how fast the queue grew (its end against its mean, which
-    # sits half a window back); a growing queue is demand the served rate does not show.
-    growth = max(0.0, 2.0 * (waiting_now - (s.num_waiting or 0.0)) / s.window_s)
-    arrivals = s.request_rate_per_s + growth
+    # sits half a window back); a growing queue is demand the served rate does not show, and
+    # a shrinking one is a backlog served in the window, which the served rate overstates.
+    growth = 2.0 * (waiting_now - (s.num_waiting or 0.0)) / s.window_s
+    arrivals = max(0.0, s.request_rate_per_s + growth)
     drain_s = ps.flex_drain_s if throughput_only else ps.drain_s
     drain = waiting_now / drain_s
     demand = (arrivals + drain) * out_per_request

@@ -3,7 +3,8 @@
 minimum) needs requests still waiting at the window's end. Queue p95 is recorded as requests
 leave the queue, so a window's p95 still counts the waits of a backlog the fleet has just
 served (the held-out Mooncake window added a fifth replica on queue p95 1.64 s with nothing
-waiting). TPOT over its objective is other evidence and still scales out."""
+waiting). TPOT over its objective is other evidence and still scales out. The deployment
+model's plan counts arrivals, not the completions of a backlog served in the window."""
 
 from __future__ import annotations
 
@@ -115,3 +116,24 @@ def test_a_full_cache_with_max_model_len_held_adds_no_replica_for_a_served_backl
     assert d.diagnosis is Diagnosis.HARDWARE_BOUND and d.change == {"replicas": (1, 2)}, d.reason
     d = decide(replace(s, num_waiting_now=0.0), CUR, BOUNDS, history, T0, thresholds=RULES)
     assert "replicas" not in d.change and "backlog has been served" in d.reason, d.reason
+
+
+def test_the_model_plans_for_arrivals_not_for_a_backlog_served_in_the_window():
+    # 67.5 requests/s finished, 22.5/s of them a backlog of 1350 served within the window (675
+    # waiting on average, none now): 45/s arrive. The day's batch phase planned a third
+    # replica from the served rate while its queue shrank.
+    from kvpilot.operator.autotune.planner import StepModel, plan
+    model = StepModel(a=0.006, b=0.0001, c=1e-5, windows=10)
+    cur = Settings(max_num_seqs=256, max_model_len=32768, replicas=2)
+    bounds = Bounds(Range(1, 1024), Range(1024, 32768), Range(1, 8))
+    served = MetricsSnapshot(time=T0, window_s=60.0, generation_tokens_per_s=13500.0, request_rate_per_s=67.5,
+                             prompt_tokens_per_s=54000.0, num_waiting=675.0, num_waiting_now=0.0,
+                             tpot_mean_s=0.03, tpot_p95_s=0.03)
+    steady = replace(served, generation_tokens_per_s=9000.0, request_rate_per_s=45.0, prompt_tokens_per_s=36000.0,
+                     num_waiting=0.0)
+    served_plan, steady_plan = plan(served, cur, bounds, model, RULES), plan(steady, cur, bounds, model, RULES)
+    assert served_plan.replicas == steady_plan.replicas == 2, (served_plan.reason, steady_plan.reason)
+    assert "demand 45.0 req/s arriving + 0 queued" in served_plan.reason
+    # a queue that grows is demand the served rate does not show, as before
+    growing = replace(steady, num_waiting=100.0, num_waiting_now=400.0)
+    assert plan(growing, cur, bounds, model, RULES).replicas > steady_plan.replicas
