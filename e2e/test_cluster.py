@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from localcluster import monitoring
-from localcluster.build import KVPILOT_OPERATOR_IMAGE as KVPILOT_IMAGE  # the small one; it has a Python
+from localcluster.build import KVPILOT_OPERATOR_IMAGE
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +39,7 @@ def echo_manifests(ns: str, replicas: int = 2) -> list[dict]:
          "spec": {"replicas": replicas, "selector": {"matchLabels": labels}, "template": {
              "metadata": {"labels": labels},
              "spec": {"terminationGracePeriodSeconds": 5, "securityContext": POD_SECURITY, "containers": [{
-                 "name": "echo", "image": KVPILOT_IMAGE,  # it has a Python
+                 "name": "echo", "image": KVPILOT_OPERATOR_IMAGE,  # it has a Python
                  "command": ["python", "/app/echo_server.py"],
                  "args": ["--host", "0.0.0.0", "--port", "8080"],
                  "env": [
@@ -110,7 +110,7 @@ def test_an_image_containerd_lost_is_imported_again(cluster):
     from localcluster.kubeletnode import COREDNS_IMAGE_REPO, Ctr
     ctr = Ctr(Path(cluster.state["containerd_bin"]), Path(cluster.state["containerd_socket"]))
     (ref,) = [r for r, _ in cluster.state["images"] if r.startswith(COREDNS_IMAGE_REPO + ":")]
-    assert KVPILOT_IMAGE in {r for r, _ in cluster.state["images"]}
+    assert KVPILOT_OPERATOR_IMAGE in {r for r, _ in cluster.state["images"]}
     before = ctr.image_digests()[ref]
     assert cluster.restore_images() == []  # nothing lost, nothing imported
     ctr.run("images", "rm", ref)
@@ -204,7 +204,7 @@ def test_env_args_and_kubectl_logs(cluster, namespace, wait_for):
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"}, "data": {"mode": "fast"}},
         {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "printer"}, "spec": {
             "securityContext": POD_SECURITY, "containers": [{
-                "name": "main", "image": KVPILOT_IMAGE,
+                "name": "main", "image": KVPILOT_OPERATOR_IMAGE,
                 "command": ["sh", "-c"],
                 "args": ["echo key=$API_KEY mode=$MODE greeting='$(GREETING)' ns=$(NS) "
                          "path=$(which python) && touch /scratch/mark && ls /scratch && exit 3"],
@@ -277,7 +277,7 @@ def one_shot_pod(name: str, script: str, **container) -> dict:
     """A restricted-compliant pod that runs a Python snippet once."""
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": {
         "restartPolicy": "Never", "securityContext": POD_SECURITY,
-        "containers": [{"name": "main", "image": KVPILOT_IMAGE, "command": ["python", "-c", script],
+        "containers": [{"name": "main", "image": KVPILOT_OPERATOR_IMAGE, "command": ["python", "-c", script],
                         "securityContext": CONTAINER_SECURITY, **container}]}}
 
 

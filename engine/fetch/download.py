@@ -104,6 +104,9 @@ class _Meter:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        # The last figure, once no sample of the thread's can finish after it: a sample that
+        # walked the folder while a file was renamed into place counts that file short.
+        self.sample()
 
 
 def fetch(model: str, options: FetchOptions) -> FetchResult:
@@ -162,13 +165,12 @@ def _download(source, listing: Listing, dirs: SnapshotDirs, options: FetchOption
     if missing > free:
         raise ModelFetchError(NO_SPACE, f"{source.uri}: {human_size(missing)} still to download but only "
                                         f"{human_size(free)} free in {options.models_dir}")
-    with _Meter(progress, partial, report, options.interval_s) as meter:
+    with _Meter(progress, partial, report, options.interval_s):
         for f in listing.files:
             if isinstance(source, HubSource):
                 hub_download(source, listing, f, partial, options.hub_endpoint, options.hub_token)
             else:
                 s3_download(source, f, partial, options.s3)
-        meter.sample()
     progress.phase = "Verifying"
     report(progress)
     _verify(source, listing, partial)
