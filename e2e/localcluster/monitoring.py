@@ -94,7 +94,6 @@ def manifests(prometheus_ip: str, scrape_interval: str) -> list[dict]:
     with the fixed ClusterIP."""
     release = prometheus_release()
     meta = {"namespace": NAMESPACE}
-    everything = {}  # a selector that matches every namespace
     return [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}},
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "prometheus", **meta}},
@@ -116,11 +115,13 @@ def manifests(prometheus_ip: str, scrape_interval: str) -> list[dict]:
              "serviceAccountName": "prometheus",
              "scrapeInterval": scrape_interval, "evaluationInterval": scrape_interval,
              "scrapeTimeout": scrape_interval, "retention": "1d",
-             "serviceMonitorSelector": {"matchLabels": SELECT_LABELS},
-             "serviceMonitorNamespaceSelector": everything,
-             "podMonitorSelector": {"matchLabels": SELECT_LABELS},
-             "podMonitorNamespaceSelector": everything,
-             "ruleSelector": {"matchLabels": SELECT_LABELS}, "ruleNamespaceSelector": everything,
+             # {} namespace selectors: every namespace. Each is its own dict (one shared object
+             # would be dumped as a YAML anchor and aliases).
+             "serviceMonitorSelector": {"matchLabels": dict(SELECT_LABELS)},
+             "serviceMonitorNamespaceSelector": {},
+             "podMonitorSelector": {"matchLabels": dict(SELECT_LABELS)},
+             "podMonitorNamespaceSelector": {},
+             "ruleSelector": {"matchLabels": dict(SELECT_LABELS)}, "ruleNamespaceSelector": {},
              "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
              "containers": [
                  {"name": "config-reloader", "args": RELOADER_ARGS},
