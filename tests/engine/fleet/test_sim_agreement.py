@@ -4,7 +4,14 @@ gives the same requests finishing in the same order, with the same token counts.
 Both run the same engine code; only the clock differs. Real time has jitter (HTTP,
 thread wake-ups: a few ms), so the generated traces keep every arrival at least 10 ms
 away from a step boundary of the virtual run, on a test accelerator whose steps take
-~40 ms; finishes within one step are compared as a set."""
+~40 ms; finishes within one step are compared as a set.
+
+On a loaded host (make test runs the e2e suite beside this one) a real-time run may not be
+a faithful replay: the server's step can run past its modelled end (it counts that in
+kvpilot:simulated_overrun_seconds_total) or the client may send a request late. Either
+moves a finish across a step boundary, so the order is judged only on a run where both
+stayed within half the margin; a run that did not is tried again, up to three times.
+Token counts and finish reasons are checked on every run."""
 
 from __future__ import annotations
 
@@ -15,8 +22,9 @@ import time
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from server_harness import ServerProcess
 from kvpilot.engine.config.engine import EngineConfig
@@ -29,6 +37,8 @@ ACCELERATOR = {"name": "agree-gpu", "memory_bytes": 8 * 2**30, "bandwidth": 1e13
                "step_overhead_s": STEP_S, "per_seq_overhead_s": 0.0, "reserved_bytes": 0}
 ENGINE = {"max_num_seqs": 4, "max_model_len": 512, "kv_cache_memory": "16Mi", "dtype": "float32"}
 OUTPUT_LEN = "uniform:2:24"
+OVERRUN = "kvpilot:simulated_overrun_seconds_total"
+TRIES = 3
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +104,25 @@ def _shift(trace: list[TraceRequest], i: int, by: float) -> list[TraceRequest]:
                                      ignore_eos=r.ignore_eos) for r in trace[i:]]
 
 
-async def _real(url: str, trace: list[TraceRequest], vocab: tuple[int, int]) -> list[tuple[float, int, dict]]:
+def _overrun_s(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    values = [sample.value for family in text_string_to_metric_families(text)
+              for sample in family.samples if sample.name == OVERRUN]
+    assert values, f"the simulated server exports no {OVERRUN}"
+    return sum(values)
+
+
+async def _real(url: str, trace: list[TraceRequest], vocab: tuple[int, int]) -> tuple[list[tuple[float, int, dict]], float]:
+    """The responses as (finish time, index, body), and the latest any request was sent
+    past its arrival time (s)."""
     done: list[tuple[float, int, dict]] = []
+    late: list[float] = []
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         t0 = time.monotonic() + 0.2
 
         async def one(i: int, r: TraceRequest) -> None:
             await asyncio.sleep(max(0.0, t0 + r.arrival - time.monotonic()))
+            late.append(time.monotonic() - t0 - r.arrival)
             resp = await http.post("/v1/completions", json={
                 "model": "m", "prompt": r.token_ids(i, vocab), "max_tokens": r.output_len,
                 "ignore_eos": r.ignore_eos})
@@ -108,7 +130,7 @@ async def _real(url: str, trace: list[TraceRequest], vocab: tuple[int, int]) -> 
             done.append((time.monotonic() - t0, i, resp.json()))
 
         await asyncio.gather(*(one(i, r) for i, r in enumerate(trace)))
-    return done
+    return done, max(late)
 
 
 def _groups(times: list[tuple[float, int]], gap: float) -> list[set[int]]:
@@ -140,19 +162,28 @@ def test_virtual_and_real_time_agree_on_order_and_token_counts(server, accelerat
         trace = _shift(trace, bad, 2 * MARGIN_S)
     assume(bad is None)
     virtual = fleet.requests
-    real = asyncio.run(_real(server.url, trace, fleet.vocab))
-    by_index = {i: body for _, i, body in real}
-    for r in virtual:
-        choice = by_index[r.index]["choices"][0]
-        assert by_index[r.index]["usage"]["completion_tokens"] == r.output_tokens
-        assert choice["finish_reason"] == r.finish_reason
     # Requests the virtual run finished in one step may reach the client some way apart on a
     # busy host (each response is encoded and sent in turn), so the real-time order is judged
     # against the virtual groups: each group, in turn, takes the next places of that order.
     want = _groups([(r.finished, r.index) for r in virtual], gap=1e-9)
+    for _ in range(TRIES):
+        before = _overrun_s(server.url)
+        real, late_s = asyncio.run(_real(server.url, trace, fleet.vocab))
+        overrun_s = _overrun_s(server.url) - before
+        by_index = {i: body for _, i, body in real}
+        for r in virtual:
+            choice = by_index[r.index]["choices"][0]
+            assert by_index[r.index]["usage"]["completion_tokens"] == r.output_tokens
+            assert choice["finish_reason"] == r.finish_reason
+        if late_s < MARGIN_S / 2 and overrun_s < MARGIN_S / 2:
+            break
+    else:
+        event("the host was too slow for a faithful real-time run")
+        return
     order = [i for _, i, _ in sorted(real)]
     got, at = [], 0
     for group in want:
         got.append(set(order[at:at + len(group)]))
         at += len(group)
-    assert got == want, f"virtual finish groups {want}, real-time order {order}"
+    assert got == want, (f"virtual finish groups {want}, real-time order {order} "
+                         f"(overrun {overrun_s * 1e3:.1f} ms, latest send {late_s * 1e3:.1f} ms late)")
