@@ -148,3 +148,25 @@ def test_a_cgroup_vanishing_during_the_sweep_is_skipped(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "iterdir", iterdir)
     found = sorted(str(p.relative_to(tmp_path)) for p in cgroups._subdirs(tmp_path))
     assert found == ["kubepods", "kubepods/pod-a", "kubepods/pod-b"]
+
+
+def test_prefetch_downloads_the_modules_of_programs_not_built_yet(tmp_path, monkeypatch):
+    """A cold start downloads the later Go programs' modules while Kubernetes compiles; a
+    program already built is skipped, and a missing `go` stops the prefetch quietly."""
+    from localcluster import build
+    monkeypatch.setenv("KVPILOT_CACHE_DIR", str(tmp_path))
+    built = tmp_path / "pause" / build.version_of("pause") / "bin"
+    built.mkdir(parents=True)
+    (built / ".complete").touch()
+    calls = []
+    monkeypatch.setattr(build.subprocess, "run", lambda argv, cwd, **kw: calls.append((argv, Path(cwd).name)))
+    build.prefetch_modules(("pause", "cni", "coredns"))
+    assert calls == [(["go", "mod", "download"], "cni"), (["go", "mod", "download"], "coredns")]
+
+    def no_go(argv, **kw):
+        calls.append(argv)
+        raise FileNotFoundError("go")
+    calls.clear()
+    monkeypatch.setattr(build.subprocess, "run", no_go)
+    build.prefetch_modules(("cni", "coredns"))
+    assert calls == [["go", "mod", "download"]]
