@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ USAGE_SCAN_BYTES = 1 << 22  # a non-streamed answer larger than this is passed o
 # Engines (uvicorn, as vLLM and `kvpilot serve` run it) close an idle connection after 5 s:
 # the gateway drops its own idle ones first, so it seldom sends on one the pod is closing.
 KEEPALIVE_S = 4.0
+log = logging.getLogger("kvpilot.gateway")
 
 
 class UpstreamFailed(Exception):
@@ -81,13 +83,28 @@ class Upstream:
     eject: Callable[[Replica, str], None]
 
 
+def closed_under_us(e: BaseException) -> bool:
+    """Whether the replica closed a connection we had open (not a connection refused or
+    never made): what a pooled keep-alive connection does when the engine's idle timeout
+    ends as the gateway sends on it, a race a loaded event loop makes likely."""
+    return (isinstance(e, (aiohttp.ServerDisconnectedError, ConnectionResetError))
+            or (isinstance(e, aiohttp.ClientOSError) and not isinstance(e, aiohttp.ClientConnectorError)))
+
+
 async def open_upstream(up: Upstream, order: tuple[Replica, ...], path: str, body: bytes,
                         headers: dict[str, str], attempt: Attempt) -> aiohttp.ClientResponse:
     """The first replica's response (headers read, body not), trying the next replica on a
     connection failure, a replica silent past the first-byte timeout, or a 503 (a draining
-    or overloaded pod), at most `attempts` in all. The caller releases the response."""
+    or overloaded pod), at most `attempts` in all. The caller releases the response.
+
+    A connection the replica closed under the request, before any answer, is tried once
+    more on that replica (the closed connection is gone from the pool: another, or a new
+    one), as HTTP clients do for a keep-alive connection the server closed idle (Go's
+    net/http): it is not the replica's failure, so it is not ejected for it and it is not
+    an attempt. A dead replica fails the second try too, and that counts."""
     failure, cause, status = "no ready replica", None, 503
     last_index = min(up.attempts, len(order)) - 1
+    tried_again = False
     for i, replica in enumerate(order[:up.attempts]):
         if cause is not None:
             attempt.retries.append(cause)
@@ -95,7 +112,16 @@ async def open_upstream(up: Upstream, order: tuple[Replica, ...], path: str, bod
         replica.in_flight += 1
         try:
             async with asyncio.timeout(up.timeout):
-                response = await up.session.post(replica.url + path, data=body, headers=headers)
+                try:
+                    response = await up.session.post(replica.url + path, data=body, headers=headers)
+                except RETRYABLE_ERRORS as e:
+                    if tried_again or not closed_under_us(e):
+                        raise
+                    tried_again = True
+                    attempt.retries.append("stale_connection")
+                    log.info("replica %s closed a kept-alive connection under a request (%s: %s); "
+                             "sending it once more", replica.name, type(e).__name__, e)
+                    response = await up.session.post(replica.url + path, data=body, headers=headers)
         except RETRYABLE_ERRORS as e:
             replica.in_flight -= 1
             failure, cause, status = f"{replica.name}: {type(e).__name__}: {e}", "connect_error", 502

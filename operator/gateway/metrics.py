@@ -17,8 +17,10 @@ class GatewayMetrics:
                                "prefix_spill: the next one on the ring, the own one being at its load bound "
                                "or saturated; least_loaded; round_robin)", ["model", "reason"], registry=r)
         self.retries = Counter("kvpilot_gateway_retries_total",
-                               "Requests sent again to another replica, by model and cause "
-                               "(connect_error: no connection; unavailable: the pod answered 503, draining)",
+                               "Requests sent again, by model and cause (to another replica: connect_error: "
+                               "no connection, timeout: no first byte in time, unavailable: the pod answered "
+                               "503, draining; to the same one: stale_connection: it closed a kept-alive "
+                               "connection under the request)",
                                ["model", "cause"], registry=r)
         self.ejections = Counter("kvpilot_gateway_ejections_total",
                                  "Replicas ejected (skipped for a back-off), by model and cause (connect_error, "

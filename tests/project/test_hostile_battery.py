@@ -41,13 +41,14 @@ class Tally:
         self.bad: list[str] = []
         self.cases = 0
 
-    def record(self, where: str, case: str, status: int | None, upstream_bad: bool = False) -> None:
+    def record(self, where: str, case: str, status: int | None, upstream_bad: bool = False,
+               message: str = "") -> None:
         self.cases += 1
         self.codes[f"{where}:{status if status is not None else 'closed'}"] += 1
         if status == "hang":
             self.bad.append(f"{where} {case}: hang")
         elif isinstance(status, int) and status >= 500 and not (upstream_bad and status in (502, 503, 504)):
-            self.bad.append(f"{where} {case}: {status}")
+            self.bad.append(f"{where} {case}: {status} {message[:300]}".rstrip())
 
 
 @pytest.fixture(scope="module")
@@ -162,14 +163,14 @@ async def http_case(client: httpx.AsyncClient, method: str, path: str, tally: Ta
                     upstream_bad=False, **kwargs) -> None:
     try:
         r = await client.request(method, path, headers=headers, timeout=HANG_S, **kwargs)
-        status = r.status_code
+        status, message = r.status_code, r.text
         if status >= 400 and r.request.method != "HEAD" and "json" in r.headers.get("content-type", ""):
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
     except httpx.TimeoutException:
-        status = "hang"
+        status, message = "hang", ""
     except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
-        status = None
-    tally.record(where, f"{method[:10]} {path[:40]}", status, upstream_bad)
+        status, message = None, ""
+    tally.record(where, f"{method[:10]} {path[:40]}", status, upstream_bad, message)
 
 
 async def bounded(coros, limit: int = 8) -> None:

@@ -159,3 +159,58 @@ def test_key_files_name_their_flag(tmp_path):
         read_key(str(tmp_path / "empty"), "--engine-api-key-file")
     with pytest.raises(ValueError, match="--metrics-key-file: cannot read"):
         read_key(str(tmp_path / "missing"), "--metrics-key-file")
+
+
+def test_a_kept_alive_connection_the_replica_closed_is_tried_again_not_failed():
+    """An engine closes an idle kept-alive connection (uvicorn after 5 s) while the gateway
+    sends on it: a race a loaded event loop makes likely. The request goes once more to the
+    same replica on another connection and succeeds; the replica is not ejected. A replica
+    that closes every connection under a request still fails it, as a 502."""
+    body = json.dumps({"id": "c", "object": "text_completion", "model": "m",
+                       "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
+                       "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+    answer = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+              + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+    async def read_request(reader) -> bool:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        await reader.readexactly(length)
+        return True
+
+    async def main():
+        served = []
+
+        async def keep_one_answer(reader, writer):  # answers the first request of a connection only
+            try:
+                await read_request(reader)
+                writer.write(answer)
+                await writer.drain()
+                served.append(1)
+                await reader.read(1)  # the next request's first byte: closed under it
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            writer.close()
+
+        async def close_all(reader, writer):
+            await reader.read(1)
+            writer.close()
+
+        closing = await asyncio.start_server(keep_one_answer, "127.0.0.1", 0)
+        dead = await asyncio.start_server(close_all, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{closing.sockets[0].getsockname()[1]}"
+        dead_url = f"http://127.0.0.1:{dead.sockets[0].getsockname()[1]}"
+        async with closing, dead, gateway({"m": [url], "d": [dead_url]}, **FAST) as (client, app, table):
+            for _ in range(3):  # each after the first finds the pooled connection closed under it
+                r = await client.post("/v1/completions", json=completion())
+                assert r.status_code == 200, r.text
+            assert len(served) == 3
+            replica = table.get("m").replicas["dead-0"]
+            assert replica.in_flight == 0 and not replica.ejected_until
+            text = await metrics(client)
+            assert 'kvpilot_gateway_ejections_total{cause="connect_error",model="m"}' not in text
+            assert 'kvpilot_gateway_retries_total{cause="stale_connection",model="m"} 2.0' in text
+            r = await client.post("/v1/completions", json=completion("d"))
+            assert_envelope(r, 502, match="ServerDisconnectedError")
+    run(main())
