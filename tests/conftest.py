@@ -8,6 +8,15 @@ from pathlib import Path
 # with TRITON_INTERPRET=0.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under xdist each worker (and every server it starts) would run as many OpenMP threads as
+# the machine has cores: N workers x N threads on N cores, where libgomp's threads spin and
+# wait on one another. The cores are shared out instead; measured on the 2-core machine,
+# a torch-heavy fifth of the suite on two workers took 76 s instead of 110 s. Read when
+# torch first loads, so set before any test module imports it; an explicit setting wins.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _workers)))
+
 import pytest  # noqa: E402
 
 # The tests mirror the package, one folder per subpackage, and some share fakes by importing
