@@ -50,7 +50,7 @@ def record(history: History, s: MetricsSnapshot, replicas: int, t: Thresholds) -
     if history.rates and s.time - history.rates[-1][0] < spacing:
         return history
     keep = t.season_s + horizon(t) + 2 * spacing
-    serving = len(s.pods) or replicas
+    serving = s.serving(replicas)
     rates = tuple(p for p in history.rates if p[0] >= s.time - keep) + ((s.time, s.request_rate_per_s, serving),)
     return history.with_rates(rates)
 

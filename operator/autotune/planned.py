@@ -48,7 +48,7 @@ def distrust(model: StepModel, s: MetricsSnapshot, cur: Settings, t: Thresholds 
         return "has windows too alike to tell its three terms apart"
     if model.residual > t.model_max_residual:
         return f"fits its own windows only to +/-{100 * model.residual:.0f}%"
-    pods = len(s.pods) or cur.replicas
+    pods = s.serving(cur.replicas)
     if s.tpot_mean_s and s.num_running and s.prompt_tokens_per_s is not None and pods:
         predicted = model.tpot(s.num_running / pods, s.prompt_tokens_per_s / pods)
         if not abs(predicted / s.tpot_mean_s - 1.0) <= t.model_max_disagreement:
@@ -87,8 +87,7 @@ def planned_change(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, p: P
     # a queue is the replica count's to fix (a narrower batch would only lengthen it: TTFT
     # is half the objective too).
     direction = (p.max_num_seqs > cur.max_num_seqs) - (p.max_num_seqs < cur.max_num_seqs)
-    serving = len(s.pods) or cur.replicas  # pods reporting: replicas still starting run nothing
-    at_cap = s.num_running / serving >= t.running_at_cap * cap_in_window(s, cur, history)
+    at_cap = s.running_per_pod(cur.replicas) >= t.running_at_cap * cap_in_window(s, cur, history)
     queueing = (s.queue_time_p95_s or 0.0) >= t.queue_enter_s or s.num_waiting >= t.waiting_enter
     wanted = {-1} if diagnosis is Diagnosis.TPOT_BOUND and not queueing else set()
     if diagnosis in PRESSURE and at_cap and queueing:

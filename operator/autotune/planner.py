@@ -93,7 +93,7 @@ class StepModel:
 
 def observation(s: MetricsSnapshot, replicas: int) -> Observation | None:
     """This window as a data point, when it is one of steady load with finished requests."""
-    pods = len(s.pods) or replicas
+    pods = s.serving(replicas)
     if (s.tpot_mean_s is None or not s.tpot_mean_s > 0 or not s.num_running or pods < 1
             or s.running_min is None or s.running_min < 0.5 or s.prompt_tokens_per_s is None):
         return None
@@ -199,7 +199,7 @@ def _p95_after(s: MetricsSnapshot, cur: Settings, replicas: int, model: StepMode
     """TPOT p95 at `replicas`, scaled from the observed p95 by the model's ratio: the model
     gives the relative change, the measurement the level (so a model fitted on other
     traffic cannot talk a scale-in into a broken objective)."""
-    pods = len(s.pods) or cur.replicas
+    pods = s.serving(cur.replicas)
     if not s.tpot_p95_s or not s.num_running:
         return 0.0
     x, p = s.num_running / pods, (s.prompt_tokens_per_s or 0.0) / pods

@@ -221,7 +221,7 @@ def _diagnose_load(s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: H
     # The cap binds only when the pods run about as many sequences as it allows: queueing
     # with the cache and the cap both to spare (a burst of prompts waiting for the token
     # budget) is no reason to raise it.
-    at_cap = s.num_running / max(cur.replicas, 1) >= t.running_at_cap * cap_in_window(s, cur, history)
+    at_cap = s.running_per_pod(cur.replicas) >= t.running_at_cap * cap_in_window(s, cur, history)
     if s.kv_usage_max < low_level and at_cap:
         return Diagnosis.SCHEDULER_BOUND, (
             f"{queue} while {kv} (peak < {low_level:.0%}) and {s.num_running:.1f} run: "
@@ -245,13 +245,14 @@ def _act(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds: Bounds
     if diagnosis is Diagnosis.IDLE:
         return _scale_in(cur, bounds, history, t)
     if diagnosis is Diagnosis.PREEMPTION_BOUND:
-        new = lower_seqs(cur, bounds, capacity, t, s.num_running)
+        running = s.running_per_pod(cur.replicas)
+        new = lower_seqs(cur, bounds, capacity, t, running)
         blocked = blocked_move(history, "max_num_seqs", -1, now, t)
         if new is not None and not blocked:
             why = (f" toward the {capacity.max_concurrent_seqs} sequences that fit"
                    if capacity is not None and capacity.max_concurrent_seqs < cur.max_num_seqs else "")
-            if steps_from_running(cur.max_num_seqs, capacity, t, s.num_running):
-                why += (f" (only {s.num_running:.1f} run at once: the cache, not max_num_seqs, "
+            if steps_from_running(cur.max_num_seqs, capacity, t, running):
+                why += (f" (only {running:.1f} run at once per pod: the cache, not max_num_seqs, "
                         f"limits admission, so the step is taken from the running count)")
             return ({"max_num_seqs": (cur.max_num_seqs, new)}, "preemptions_per_s",
                     f"lower max_num_seqs {cur.max_num_seqs} -> {new}{why}", diagnosis)

@@ -68,7 +68,7 @@ def scale_in_when_calm(s: MetricsSnapshot, cur: Settings, bounds: Bounds, histor
     floor = max(bounds.replicas.min, 1)
     if cur.replicas <= floor or cur.hpa_owns_scale:
         return None
-    serving = len(s.pods) or cur.replicas
+    serving = s.serving(cur.replicas)
     if serving < cur.replicas:
         return {}, None, "replicas are still starting: no scale-in", Diagnosis.HEALTHY
     earlier = history.recent_diagnoses(t.scale_in_windows - 1)

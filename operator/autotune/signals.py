@@ -129,6 +129,16 @@ class MetricsSnapshot:
             return None
         return "; ".join(parts)
 
+    def serving(self, replicas: int) -> int:
+        """The pods the running and waiting counts are summed over: those reporting their
+        settings (a replica still starting runs nothing), or `replicas` where no pod
+        reports them (stock vLLM)."""
+        return len(self.pods) or max(replicas, 1)
+
+    def running_per_pod(self, replicas: int) -> float:
+        """Sequences running on one serving pod (window mean): what max_num_seqs caps."""
+        return (self.num_running or 0.0) / self.serving(replicas)
+
     def reported(self, setting: str) -> set[int]:
         """The distinct values of `setting` the pods report (those that export it)."""
         return {v for p in self.pods if (v := getattr(p, setting)) is not None}

@@ -88,7 +88,7 @@ def speculation_change(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, 
     target = "tpot_mean_s" if s.tpot_mean_s is not None else "tpot_p95_s" if s.tpot_p95_s is not None else None
     if target is None:
         return None
-    rows = (s.num_running or 0.0) / max(cur.replicas, 1)
+    rows = s.running_per_pod(cur.replicas)
     r = t.spec_compute_rows
     if k == 0:
         if direction < 0 or rng.max < 1 or 2 * rows > r or blocked_move(history, SETTING, +1, now, t):

@@ -63,7 +63,7 @@ def lower_seqs_for_tpot(s: MetricsSnapshot, cur: Settings, bounds: Bounds, t: Th
     too much; the next interval takes another step). The width is what runs, not the cap
     above it; at most half of it in one step. None when one sequence already runs alone or
     the bound stops it."""
-    width = min(cur.max_num_seqs, s.num_running)
+    width = min(cur.max_num_seqs, s.running_per_pod(cur.replicas))
     if width < 2:
         return None
     want = math.floor(width * t.tpot_objective_s * t.tpot_target_ratio / s.tpot_p95_s)
@@ -78,7 +78,7 @@ def tpot_room(s: MetricsSnapshot, cur: Settings, t: Thresholds) -> int | None:
     None without an objective or a TPOT reading."""
     if t.tpot_objective_s is None or not s.tpot_p95_s:
         return None
-    width = max(1.0, min(cur.max_num_seqs, s.num_running))
+    width = max(1.0, min(cur.max_num_seqs, s.running_per_pod(cur.replicas)))
     return math.floor(width * t.tpot_objective_s * t.tpot_raise_ratio / s.tpot_p95_s)
 
 

@@ -118,26 +118,28 @@ def test_a_raise_never_projects_tpot_past_the_objective():
     assert "max_num_seqs" not in edge.change and "leaves no room under 45ms" in edge.reason
 
 
-def toy_tpot_engine(seqs: int, t: float, clients: int = 48) -> MetricsSnapshot:
+def toy_tpot_engine(seqs: int, t: float, clients: int = 48, replicas: int = 1) -> MetricsSnapshot:
     """Step time 26ms + 0.8ms per running sequence (what the tiny model measures on two CPU
-    cores); a closed loop of `clients` users; the KV cache never binds."""
-    running = min(seqs, clients)
+    cores); a closed loop of `clients` users spread over the replicas; the KV cache never
+    binds. Counts are summed over the replicas, as Prometheus reports them."""
+    running = min(seqs, clients / replicas)  # on each replica
     tpot = 0.026 + 0.0008 * running
-    return snap(t=t, tpot_p95_s=tpot * 1.05, num_running=float(running), num_waiting=float(clients - running),
-                queue_time_p95_s=0.5 * (clients - running) / max(running, 1), kv_usage_mean=0.3, kv_usage_max=0.4,
-                generation_tokens_per_s=running / tpot)
+    waiting = clients - replicas * running
+    return snap(t=t, tpot_p95_s=tpot * 1.05, num_running=replicas * running, num_waiting=waiting,
+                queue_time_p95_s=0.5 * waiting / max(replicas * running, 1), kv_usage_mean=0.3, kv_usage_max=0.4,
+                generation_tokens_per_s=replicas * running / tpot)
 
 
 @pytest.mark.parametrize("start", [64, 4])
 def test_closed_loop_settles_at_the_widest_batch_that_meets_the_objective(start):
     cur, h, t = replace(CUR, max_num_seqs=start), History(), T0
     for _ in range(40):
-        d = decide(toy_tpot_engine(cur.max_num_seqs, t), cur, BOUNDS, h, t, thresholds=TPOT)
+        d = decide(toy_tpot_engine(cur.max_num_seqs, t, replicas=cur.replicas), cur, BOUNDS, h, t, thresholds=TPOT)
         h = h.record(d, applied=d.changes_something)
         for k, (_, new) in d.change.items():
             cur = replace(cur, **{k: new})
         t += 30
-    final = toy_tpot_engine(cur.max_num_seqs, t)
+    final = toy_tpot_engine(cur.max_num_seqs, t, replicas=cur.replicas)
     assert final.tpot_p95_s <= 0.050
     assert cur.max_num_seqs >= 18  # 24 meets 50ms exactly: not starved far below it
 

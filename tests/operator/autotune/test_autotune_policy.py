@@ -142,6 +142,22 @@ def test_queueing_below_the_cap_is_not_the_caps_fault():
     assert d.diagnosis is Diagnosis.HARDWARE_BOUND and "max_num_seqs" not in d.change
 
 
+def test_counts_are_per_serving_pod_not_per_replica_asked_for():
+    """Running and waiting are summed over the pods that report. A replica still starting
+    reports nothing and runs nothing: with one of two serving, 64 running is the cap of 64
+    binding on that one, so the cap is raised rather than the queue called hardware's."""
+    cur = replace(CUR, replicas=2)
+    one_serving = (PodSettings("tiny-0", 64, 2048),)
+    d = run(sched(CUR, pods=one_serving), cur=cur)
+    assert d.diagnosis is Diagnosis.SCHEDULER_BOUND and d.change == {"max_num_seqs": (64, 96)}
+    both = one_serving + (PodSettings("tiny-1", 64, 2048),)
+    d = run(sched(CUR, pods=both), cur=cur)  # 32 of 64 on each: the cap does not bind
+    assert d.diagnosis is Diagnosis.HARDWARE_BOUND and "max_num_seqs" not in d.change
+    # A preemption step is taken from what runs on a pod: 2 x 7.8 over two pods.
+    d = run(snap(pods=both, **dict(PREEMPTING, num_running=15.6)), cur=cur)
+    assert d.change == {"max_num_seqs": (64, 6)} and "only 7.8 run at once per pod" in d.reason
+
+
 def test_raise_never_exceeds_the_bound_or_max_num_batched_tokens():
     cur = replace(CUR, max_num_seqs=200)
     assert run(sched(cur), cur=cur).change == {"max_num_seqs": (200, 256)}
@@ -201,7 +217,8 @@ def test_hpa_owned_scale_is_left_alone():
     idle = run(snap(**IDLE), cur=cur, history=past(Diagnosis.IDLE, Diagnosis.IDLE))
     assert idle.change == {} and "HPA" in idle.reason
     # Replicas outside the bounds are the HPA's business too; the other settings still move.
-    assert run(snap(**PREEMPTING), cur=replace(cur, replicas=9)).change == {"max_num_seqs": (64, 48)}
+    preempting = {**PREEMPTING, "num_running": 9 * PREEMPTING["num_running"]}  # on each of the 9
+    assert run(snap(**preempting), cur=replace(cur, replicas=9)).change == {"max_num_seqs": (64, 48)}
     refused = run(snap(length_refusals_per_s=0.5), cur=replace(cur, max_model_len=512))
     assert refused.change == {"max_model_len": (512, 1024)}
 
@@ -284,8 +301,8 @@ def test_no_decision_leaves_the_bounds(seqs, mlen, replicas, kv_mean, kv_extra, 
         assert abs(d.change["replicas"][1] - replicas) == 1
     if "max_num_seqs" in d.change:
         old, new = d.change["max_num_seqs"]
-        # at most halved, from the cap or from the running count below it
-        assert new >= min(old * 0.5 - 1, math.ceil(running) * 0.5 - 1) and new <= max(old + 1, old * 1.5 + 1)
+        # at most halved, from the cap or from the running count (per pod) below it
+        assert new >= min(old * 0.5 - 1, math.ceil(running / replicas) * 0.5 - 1) and new <= max(old + 1, old * 1.5 + 1)
 
 
 # --- hysteresis -------------------------------------------------------------------------
@@ -459,7 +476,8 @@ def test_holds_until_the_pods_report_the_settings():
     d = run(snap(pods=pods, **PREEMPTING), cur=replace(CUR, max_num_seqs=48))
     assert d.action is Action.HOLD and "waiting for the pods" in d.reason and "[48, 64]" in d.reason
     ok = (PodSettings("tiny-0", 64, 2048), PodSettings("tiny-1", None, None))
-    assert run(snap(pods=ok, **PREEMPTING)).change == {"max_num_seqs": (64, 48)}
+    # Two pods report: 60 running on each is what the cap of 64 sees.
+    assert run(snap(pods=ok, **{**PREEMPTING, "num_running": 120.0})).change == {"max_num_seqs": (64, 48)}
 
 
 def test_decide_is_pure():
