@@ -50,6 +50,21 @@ def fleet(kube, namespace: str) -> list[dict]:
     return kube.get(LLMD.format(ns=namespace))["items"]
 
 
+def fleet_reads(kube) -> set[tuple[str, str]]:
+    """The (Prometheus URL, window) pairs of every LLMDeployment the operator autotunes, in
+    any namespace: a resync pass's fleet reader asks one set of queries per pair. Another
+    test's deployments can still be there (its namespace is deleted at teardown, not waited
+    for), with a window of their own."""
+    items = kube.get(LLMD.replace("namespaces/{ns}/", ""))["items"]
+    reads = set()
+    for obj in items:
+        autotune = (obj.get("spec") or {}).get("autotune") or {}
+        if obj["metadata"].get("deletionTimestamp") or autotune.get("mode", "Off") == "Off":
+            continue
+        reads.add(((autotune.get("prometheus") or {}).get("url") or "", autotune.get("window") or ""))
+    return reads
+
+
 def _condition(obj: dict, type_: str) -> dict:
     return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
 

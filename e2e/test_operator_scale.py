@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from scale_fleet import (QUERIES_PER_SNAPSHOT, Scrape, fleet, fleet_member, last_decision, operator_metrics_url, operator_pod,
-                         quantile_bound, ready_count)
+from scale_fleet import (QUERIES_PER_SNAPSHOT, Scrape, fleet, fleet_member, fleet_reads, last_decision,
+                         operator_metrics_url, operator_pod, quantile_bound, ready_count)
 from test_operator import diagnose
 
 pytestmark = pytest.mark.e2e
@@ -35,6 +35,7 @@ def test_twenty_deployments_are_each_autotuned_every_interval(cluster, scale_ope
     except TimeoutError:
         raise AssertionError(diagnose(cluster, namespace)) from None
     url = operator_metrics_url(operator_pod(kube))
+    reads = fleet_reads(kube)
     before, start = Scrape.get(url), time.time()
 
     # Two rounds: each deployment's lastDecision must move past the round's start within
@@ -53,6 +54,7 @@ def test_twenty_deployments_are_each_autotuned_every_interval(cluster, scale_ope
             raise AssertionError(f"not autotuned in round {round_}: {late}\n{diagnose(cluster, namespace)}") \
                 from None
     after, elapsed = Scrape.get(url), time.time() - start
+    reads |= fleet_reads(kube)
 
     p99, n = quantile_bound(before, after, "kvpilot_operator_reconcile_duration_seconds", 0.99)
     timer = (after.total("kvpilot_operator_reconciles_total", trigger="timer")
@@ -78,11 +80,13 @@ def test_twenty_deployments_are_each_autotuned_every_interval(cluster, scale_ope
           f"{steps:.0f} autotune steps in {passes:.0f} resync passes completed ({readers:.0f} ran in the "
           f"window) read with {fleet_q:.0f} fleet + "
           f"{single_q:.0f} per-deployment Prometheus queries ({(fleet_q + single_q) / elapsed:.1f}/s; "
-          f"per-deployment reads: {steps * QUERIES_PER_SNAPSHOT:.0f}), operator RSS {rss / 2**20:.0f} MiB")
+          f"per-deployment reads: {steps * QUERIES_PER_SNAPSHOT:.0f}; {len(reads)} (URL, window) pair(s) "
+          f"autotuned), operator RSS {rss / 2**20:.0f} MiB")
     assert timer >= N * elapsed / RESYNC_S * 0.5, "the resync did not reconcile every deployment each pass"
     assert overlapping > 0, "no reconcile ever overlapped another: the resync is serialized"
     assert p99 <= 2.5, f"p99 reconcile latency above 2.5 s: {p99}"
-    # The fleet reader: at most one set of queries per pass, far fewer than one set per step.
+    # The fleet reader: at most one set of queries per pass and (URL, window), far fewer than
+    # one set per step.
     assert steps >= N
-    assert fleet_q <= readers * QUERIES_PER_SNAPSHOT, (fleet_q, readers)
+    assert fleet_q <= readers * len(reads) * QUERIES_PER_SNAPSHOT, (fleet_q, readers, sorted(reads))
     assert fleet_q + single_q < steps * QUERIES_PER_SNAPSHOT / 2, (fleet_q, single_q, steps)

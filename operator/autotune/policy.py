@@ -245,8 +245,7 @@ def _act(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds: Bounds
     if diagnosis is Diagnosis.IDLE:
         return _scale_in(cur, bounds, history, t)
     if diagnosis is Diagnosis.PREEMPTION_BOUND:
-        running = s.running_per_pod(cur.replicas)
-        new = lower_seqs(cur, bounds, capacity, t, running)
+        new = lower_seqs(cur, bounds, capacity, t, running := s.running_per_pod(cur.replicas))
         blocked = blocked_move(history, "max_num_seqs", -1, now, t)
         if new is not None and not blocked:
             why = (f" toward the {capacity.max_concurrent_seqs} sequences that fit"
