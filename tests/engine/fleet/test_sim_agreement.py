@@ -11,7 +11,12 @@ a faithful replay: the server's step can run past its modelled end (it counts th
 kvpilot:simulated_overrun_seconds_total) or the client may send a request late. Either
 moves a finish across a step boundary, so the order is judged only on a run where both
 stayed within half the margin; a run that did not is tried again, up to three times.
-Token counts and finish reasons are checked on every run."""
+Token counts and finish reasons are checked on every run.
+
+A real finish is timed by the server: the moment the client sent the request plus the
+end-to-end time of the server's Server-Timing header. When the client read the answer is
+no measure of it: the server encodes and sends answers in turn and the client's loop reads
+them when it gets the CPU, which swapped two finishes a step apart under load."""
 
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from server_harness import ServerProcess
+from kvpilot.engine.server.server_timing import parse_server_timing
 from kvpilot.engine.config.engine import EngineConfig
 from kvpilot.engine.fleet.fleet import Fleet
 from kvpilot.engine.fleet.trace import TraceRequest
@@ -113,8 +119,8 @@ def _overrun_s(url: str) -> float:
 
 
 async def _real(url: str, trace: list[TraceRequest], vocab: tuple[int, int]) -> tuple[list[tuple[float, int, dict]], float]:
-    """The responses as (finish time, index, body), and the latest any request was sent
-    past its arrival time (s)."""
+    """The responses as (finish time by the server's clock, index, body), and the latest any
+    request was sent past its arrival time (s)."""
     done: list[tuple[float, int, dict]] = []
     late: list[float] = []
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
@@ -122,12 +128,15 @@ async def _real(url: str, trace: list[TraceRequest], vocab: tuple[int, int]) -> 
 
         async def one(i: int, r: TraceRequest) -> None:
             await asyncio.sleep(max(0.0, t0 + r.arrival - time.monotonic()))
-            late.append(time.monotonic() - t0 - r.arrival)
+            sent = time.monotonic() - t0
+            late.append(sent - r.arrival)
             resp = await http.post("/v1/completions", json={
                 "model": "m", "prompt": r.token_ids(i, vocab), "max_tokens": r.output_len,
                 "ignore_eos": r.ignore_eos})
             assert resp.status_code == 200, resp.text
-            done.append((time.monotonic() - t0, i, resp.json()))
+            e2e = parse_server_timing(resp.headers.get("server-timing")).get("e2e")
+            assert e2e is not None, f"no end-to-end time in Server-Timing: {resp.headers}"
+            done.append((sent + e2e, i, resp.json()))
 
         await asyncio.gather(*(one(i, r) for i, r in enumerate(trace)))
     return done, max(late)
@@ -162,9 +171,9 @@ def test_virtual_and_real_time_agree_on_order_and_token_counts(server, accelerat
         trace = _shift(trace, bad, 2 * MARGIN_S)
     assume(bad is None)
     virtual = fleet.requests
-    # Requests the virtual run finished in one step may reach the client some way apart on a
-    # busy host (each response is encoded and sent in turn), so the real-time order is judged
-    # against the virtual groups: each group, in turn, takes the next places of that order.
+    # Requests the virtual run finished in one step are stamped in turn by the server, in no
+    # set order, so the real-time order is judged against the virtual groups: each group, in
+    # turn, takes the next places of that order.
     want = _groups([(r.finished, r.index) for r in virtual], gap=1e-9)
     for _ in range(TRIES):
         before = _overrun_s(server.url)
