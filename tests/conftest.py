@@ -15,7 +15,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # torch first loads, so set before any test module imports it; an explicit setting wins.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _workers)))
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores // _workers)))
 
 import pytest  # noqa: E402
 
