@@ -132,12 +132,12 @@ class MetricsSnapshot:
     def serving(self, replicas: int) -> int:
         """The pods the running and waiting counts are summed over: those reporting their
         settings (a replica still starting runs nothing), or `replicas` where no pod
-        reports them (stock vLLM)."""
-        return len(self.pods) or max(replicas, 1)
+        reports them (stock vLLM); 0 at zero replicas."""
+        return len(self.pods) or replicas
 
     def running_per_pod(self, replicas: int) -> float:
         """Sequences running on one serving pod (window mean): what max_num_seqs caps."""
-        return (self.num_running or 0.0) / self.serving(replicas)
+        return (self.num_running or 0.0) / max(self.serving(replicas), 1)
 
     def reported(self, setting: str) -> set[int]:
         """The distinct values of `setting` the pods report (those that export it)."""

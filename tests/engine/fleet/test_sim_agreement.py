@@ -29,7 +29,6 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
-from prometheus_client.parser import text_string_to_metric_families
 
 from server_harness import ServerProcess
 from kvpilot.engine.server.server_timing import parse_server_timing
@@ -110,12 +109,10 @@ def _shift(trace: list[TraceRequest], i: int, by: float) -> list[TraceRequest]:
                                      ignore_eos=r.ignore_eos) for r in trace[i:]]
 
 
-def _overrun_s(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    values = [sample.value for family in text_string_to_metric_families(text)
-              for sample in family.samples if sample.name == OVERRUN]
-    assert values, f"the simulated server exports no {OVERRUN}"
-    return sum(values)
+def _overrun_s(server: ServerProcess) -> float:
+    value = server.metrics().get(OVERRUN)
+    assert value is not None, f"the simulated server exports no {OVERRUN}"
+    return value
 
 
 async def _real(url: str, trace: list[TraceRequest], vocab: tuple[int, int]) -> tuple[list[tuple[float, int, dict]], float]:
@@ -176,9 +173,9 @@ def test_virtual_and_real_time_agree_on_order_and_token_counts(server, accelerat
     # turn, takes the next places of that order.
     want = _groups([(r.finished, r.index) for r in virtual], gap=1e-9)
     for _ in range(TRIES):
-        before = _overrun_s(server.url)
+        before = _overrun_s(server)
         real, late_s = asyncio.run(_real(server.url, trace, fleet.vocab))
-        overrun_s = _overrun_s(server.url) - before
+        overrun_s = _overrun_s(server) - before
         by_index = {i: body for _, i, body in real}
         for r in virtual:
             choice = by_index[r.index]["choices"][0]
