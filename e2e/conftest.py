@@ -26,7 +26,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from localcluster import LocalCluster, wait_for as _wait_for  # noqa: E402
-from localcluster.build import ensure_cluster_parts, ensure_keda  # noqa: E402
+from localcluster.build import BuildError, ensure_cluster_parts, ensure_keda  # noqa: E402
 
 IMAGES = pytest.StashKey[list]()  # (name, OCI archive) of the images built for this session
 
@@ -51,10 +51,14 @@ def pytest_collection_finish(session):
         return
     capman = session.config.pluginmanager.getplugin("capturemanager")
     with capman.global_and_fixture_disabled():
-        # kvpilot's own images (every pod runs from one of them), built beside the Go programs
-        session.config.stash[IMAGES] = ensure_cluster_parts(image_targets(session.items))
-        if any(Path(str(i.path)).name == "test_keda.py" for i in session.items):
-            ensure_keda()  # KEDA's first build is long too; only when its test runs
+        try:
+            # kvpilot's own images (every pod runs from one of them), built beside the Go programs
+            session.config.stash[IMAGES] = ensure_cluster_parts(image_targets(session.items))
+            if any(Path(str(i.path)).name == "test_keda.py" for i in session.items):
+                ensure_keda()  # KEDA's first build is long too; only when its test runs
+        except BuildError as e:
+            # One line, not an INTERNALERROR traceback: no test can run without these parts.
+            pytest.exit(f"the local cluster's parts could not be built: {e}", returncode=pytest.ExitCode.INTERNAL_ERROR)
 
 
 @pytest.fixture(scope="session")

@@ -170,3 +170,14 @@ def test_prefetch_downloads_the_modules_of_programs_not_built_yet(tmp_path, monk
     monkeypatch.setattr(build.subprocess, "run", no_go)
     build.prefetch_modules(("cni", "coredns"))
     assert calls == [["go", "mod", "download"]]
+
+
+def test_a_failed_image_build_is_a_build_error_with_the_free_disk(tmp_path, monkeypatch):
+    """conftest turns a BuildError into one line that ends the session (no INTERNALERROR
+    traceback); the message names the images and the free disk, the usual cause."""
+    from localcluster import build
+    monkeypatch.setenv("KVPILOT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(build.subprocess, "run",
+                        lambda argv, **kw: subprocess.CompletedProcess(argv, 1, stdout="", stderr=None))
+    with pytest.raises(build.BuildError, match=r"images operator, engine failed .* GiB free now under"):
+        build.ensure_images(("operator", "engine"))

@@ -22,7 +22,8 @@
 # Settings (environment): KVPILOT_IMAGE_COMPRESSION=gzip|zstd (default gzip, see below),
 # KVPILOT_IMAGE_KEEP=N archives kept per target (default 1: the engine's is ~3.3 GB), KVPILOT_BUILDAH_DRIVER=overlay|vfs
 # (default: overlay when the kernel allows it), KVPILOT_IMAGE_MIN_FREE_GIB (default 30: below
-# it, earlier builds' images and archives are removed before building; see make_room).
+# it, superseded archives are removed before building, and earlier builds' images too when
+# the dependencies changed; see make_room).
 set -euo pipefail
 
 # Layer compression, measured on this image (6.3 GB unpacked, 2 cores): gzip 86-143 s for a
@@ -85,7 +86,7 @@ main() {
 
 # Builds one target (unless its archive for these inputs exists) and prints the archive.
 build_target() {
-    local target=$1 name ref hash archive start cert secret=()
+    local target=$1 name ref hash archive start cert secret=() deps
     name=kvpilot/$target:$version
     ref=docker.io/$name # the name containerd (and so the kubelet) will know it by
     hash=$(inputs "$repo" "$here" "target $target ${bases_of[$target]} compression $compression" | sha256sum | cut -c1-12)
@@ -101,7 +102,8 @@ build_target() {
     # A certificate bundle for pip: the host's, which may hold a proxy's CA.
     cert=${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}
     [[ -s $cert ]] && secret=(--secret "id=pip-cert,src=$cert")
-    make_room "$cache" "$version" "$target"
+    deps=$(deps_key "$repo" "${bases_of[$target]}")
+    make_room "$cache" "$version" "$target" "$deps"
     log "building $name (inputs $hash, storage $driver); the first build takes minutes"
     start=$SECONDS
     # --force-rm: a failed step's working container (the engine's holds 6 GB) goes too.
@@ -125,25 +127,43 @@ build_target() {
         "unpacked $($BUILDAH inspect --type image --format '{{.Size}}' "localhost/$name" 2>/dev/null | numfmt --to=si 2>/dev/null || echo '?')B"
 
     prune "$cache" "$target" "$keep" "$buildlog"
+    echo "$deps" > "$cache/kvpilot-$target.deps"
     echo "$archive"
 }
 
 # A build that reinstalls the Python packages writes a ~6 GB layer and then a copy of it as
 # it commits (seen failing at 23 GiB free, inside buildah: "read/write on closed pipe"),
-# and the archive ~3.3 GB. Below MIN_FREE_GIB, the earlier builds' images (their layers are
-# the build cache: the next build is slower) and archives go first; the base stays.
+# and the archive ~3.3 GB. A build whose dependency layers are cached (the Containerfile,
+# pyproject.toml and the bases unchanged since the last build: a code change) writes only
+# kvpilot's own small layers and the archive. So below MIN_FREE_GIB the target's superseded
+# archives go first, and the earlier builds' images (their layers are the build cache) only
+# when those layers could not be reused anyway: removing a cache that would be hit turns a
+# build needing a few GiB into one needing over 20, the failure it was meant to avoid.
 MIN_FREE_GIB=${KVPILOT_IMAGE_MIN_FREE_GIB:-30}
 make_room() {
-    local cache=$1 version=$2 target=$3 free
+    local cache=$1 version=$2 target=$3 deps_key=$4 free
     free=$(free_gib "$cache")
     [[ -n $free ]] && ((free < MIN_FREE_GIB)) || return 0
-    log "only ${free} GiB free (a build may need ${MIN_FREE_GIB}): removing earlier builds of $target"
+    log "only ${free} GiB free (a build that reinstalls the dependencies may need ${MIN_FREE_GIB}):" \
+        "removing the superseded archives of $target"
     rm -f "$cache"/kvpilot-"$target"-*.oci.tar  # the other target's archive may be in use
-    $BUILDAH rmi --force "localhost/kvpilot/$target:$version" >/dev/null 2>&1 || true
-    $BUILDAH rmi --prune >/dev/null 2>&1 || true  # the dangling layers of earlier builds
+    if [[ $(cat "$cache/kvpilot-$target.deps" 2>/dev/null) == "$deps_key" ]]; then
+        log "keeping the cached dependency layers of $target: only kvpilot's own layers are rebuilt"
+    else
+        log "the dependencies changed: removing earlier builds of $target (their layers are stale)"
+        $BUILDAH rmi --force "localhost/kvpilot/$target:$version" >/dev/null 2>&1 || true
+        $BUILDAH rmi --prune >/dev/null 2>&1 || true  # the dangling layers of earlier builds
+    fi
     free=$(free_gib "$cache")
     log "now ${free} GiB free"
-    [[ -n $free ]] && ((free >= MIN_FREE_GIB)) || log "warning: the build may run out of disk"
+    [[ -n $free ]] && ((free >= MIN_FREE_GIB)) || log "warning: a build that reinstalls the dependencies may run out of disk"
+}
+
+# What the dependency layers of a target depend on (not kvpilot's own code): when unchanged
+# since the last build, buildah reuses them.
+deps_key() {
+    local repo=$1 bases=$2
+    { cd "$repo" && sha256sum Containerfile .dockerignore pyproject.toml; echo "$bases"; } | sha256sum | cut -c1-12
 }
 
 free_gib() {

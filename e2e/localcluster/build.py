@@ -4,6 +4,7 @@ e2e/coredns, e2e/deviceplugin), Prometheus (e2e/prometheus), the Prometheus Oper
 (e2e/prometheus-operator) and KEDA (e2e/keda)."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,6 +13,11 @@ from .paths import E2E_DIR, PROJECT_VERSION, cache_dir
 
 K8S_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl",
                 "kubelet", "kube-proxy")
+
+
+class BuildError(RuntimeError):
+    """A part of the local cluster (a Go program, helm, kvpilot's images) failed to build; the
+    build's own output, above, says why."""
 
 
 def version_of(module: str) -> str:
@@ -26,7 +32,7 @@ def _ensure(module: str, binaries: tuple[str, ...]) -> Path:
     r = subprocess.run([str(E2E_DIR / module / "build.sh")], stdout=subprocess.PIPE, stderr=None,
                        text=True)
     if r.returncode != 0:
-        raise RuntimeError(f"building {module} {version_of(module)} failed (see the output above)")
+        raise BuildError(f"building {module} {version_of(module)} failed (see the output above)")
     return Path(r.stdout.strip().splitlines()[-1])
 
 
@@ -88,7 +94,9 @@ def ensure_images(targets: tuple[str, ...] = ("operator", "engine")) -> list[tup
     r = subprocess.run([str(E2E_DIR / "image" / "build.sh"), *targets],
                        stdout=subprocess.PIPE, stderr=None, text=True)
     if r.returncode != 0:
-        raise RuntimeError("building kvpilot's images failed (see the output above)")
+        free = shutil.disk_usage(cache_dir()).free / 2**30
+        raise BuildError(f"building kvpilot's images {', '.join(targets)} failed (see the output above; "
+                         f"{free:.1f} GiB free now under {cache_dir()})")
     archives = r.stdout.strip().splitlines()[-len(targets):]
     return [(IMAGE_REFS[t], Path(a)) for t, a in zip(targets, archives)]
 
@@ -126,5 +134,5 @@ def ensure_cluster_parts(image_targets: tuple[str, ...]) -> list[tuple[str, Path
         ensure_node_binaries()
         r = subprocess.run([str(E2E_DIR / "build-helm.sh")], stdout=subprocess.DEVNULL, stderr=None)
         if r.returncode != 0:
-            raise RuntimeError("building helm failed (see the output above)")
+            raise BuildError("building helm failed (see the output above)")
         return images.result()
