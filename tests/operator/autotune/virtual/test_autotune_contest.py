@@ -314,7 +314,7 @@ def test_a_compressed_day_compresses_every_control_loop_with_it():
 def test_contest_command_prints_the_table_and_writes_json_and_pngs(tmp_path, capsys):
     from kvpilot.engine.cli import main
 
-    code = main(["autotune", "contest", "--scenario", "scheduler-bound", "--time-scale", "0.1",
+    code = main(["autotune", "contest", "--scenario", "scheduler-bound", "--time-scale", "0.05",
                  "--scale-controls", "--workers", "1", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0
@@ -322,7 +322,7 @@ def test_contest_command_prints_the_table_and_writes_json_and_pngs(tmp_path, cap
     data = json.loads((tmp_path / "contest-scheduler-bound.json").read_text())
     assert data["simulated"] and {r["kind"] for r in data["results"]} == {"static", "keda", "wva", "hpa-kv", "dynamo",
                                                                            "auto"}
-    assert data["control_scale"] == 0.1
+    assert data["control_scale"] == 0.05
     assert len(list(tmp_path.glob("contest-scheduler-bound-*.png"))) == 6
 
 

@@ -148,7 +148,7 @@ def test_an_overload_does_not_revert_a_raise_that_helped():
 def test_a_hardware_bound_fleet_gains_a_replica_after_its_startup():
     # Every setting already fits: queueing with the cap not binding is hardware, so the
     # autotuner adds a replica; it serves only once its startup time has passed.
-    trace = list(generate([Phase(duration=400, rate=30, input="uniform:1000:3000", output="uniform:50:150")],
+    trace = list(generate([Phase(duration=200, rate=30, input="uniform:1000:3000", output="uniform:50:150")],
                           seed=3, max_len=8192))
     fleet = _fleet(256, accelerator="l40s")
     tune = AutotuneSettings(bounds=Bounds(Range(4, 256), Range(1024, 8192), Range(1, 3)),

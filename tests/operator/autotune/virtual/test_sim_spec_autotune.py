@@ -92,7 +92,7 @@ def test_at_long_contexts_a_k_change_that_cost_tpot_is_reverted():
     rows-only cost model calls it a loss. Turning it off then costs TPOT, and verification
     (a K change may only cost TPOT noise: Thresholds.spec_worse_rel) puts K back."""
     fleet = _fleet(256)
-    intervals = run_autotuned(fleet, _trace(6000, prompt=1024), _tune())
+    intervals = run_autotuned(fleet, _trace(3500, prompt=1024), _tune())
     changes = [iv for iv in intervals if iv.applied and SETTING in iv.decision.change]
     assert changes and changes[0].decision.change[SETTING] == (4, 0), [iv.decision.reason for iv in intervals]
     first = changes[0]
