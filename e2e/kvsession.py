@@ -27,7 +27,7 @@ from kvpilot.engine.bench.serve import stream_completion
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from localcluster import LocalCluster, wait_for  # noqa: E402
-from localcluster.build import ensure_cluster_parts, ensure_images  # noqa: E402
+from localcluster.build import BuildError, ensure_cluster_parts, ensure_images  # noqa: E402
 from localcluster.cluster import ClusterError  # noqa: E402
 from background import AsyncWorker  # noqa: E402
 from timeline import Change, Sample  # noqa: E402
@@ -61,7 +61,7 @@ def run_to_exit_code(job, what: str) -> int:
     except KeyboardInterrupt:
         log("interrupted; cleaning up")
         return 130
-    except (SetupError, ClusterError, TimeoutError) as e:
+    except (SetupError, ClusterError, BuildError, TimeoutError) as e:
         log(f"{what} failed: {e}")
         return 1
     finally:
@@ -483,6 +483,6 @@ def _rfc3339(text: str) -> float:
     return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc).timestamp()
 
 
-__all__ = ["ClusterError", "LoadDriver", "Monitor", "SetupError", "Workload", "run_to_exit_code",
+__all__ = ["BuildError", "ClusterError", "LoadDriver", "Monitor", "SetupError", "Workload", "run_to_exit_code",
            "deploy", "engine_pods", "get_llmd", "gateway_sees_no_replica", "gateway_url", "install_operator", "load_targets", "llmd_manifest", "log", "open_cluster",
            "pod_urls", "preemptions_total", "set_live", "wait_for"]

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from .build import (ensure_binaries, ensure_images, ensure_keda, ensure_node_binaries, ensure_prometheus,
+from .build import (BuildError, ensure_binaries, ensure_images, ensure_keda, ensure_node_binaries, ensure_prometheus,
                     ensure_prometheus_operator)
 from .cluster import ClusterError, LocalCluster
 from .paths import REPO_ROOT
@@ -21,15 +21,19 @@ def main() -> int:
     args = ap.parse_args()
     if args.command == "build":
         t = time.monotonic()
-        print(ensure_binaries(), *ensure_node_binaries().values(), ensure_prometheus(), ensure_prometheus_operator(),
-              ensure_keda(),
-              *(path for _, path in ensure_images()), f"({time.monotonic() - t:.0f}s)")
+        try:
+            print(ensure_binaries(), *ensure_node_binaries().values(), ensure_prometheus(),
+                  ensure_prometheus_operator(), ensure_keda(),
+                  *(path for _, path in ensure_images()), f"({time.monotonic() - t:.0f}s)")
+        except BuildError as e:
+            print(f"cluster-build failed: {e}", file=sys.stderr)
+            return 1
         return 0
     state = args.dir / "state.json"
     if args.command == "up":
         try:
             c = LocalCluster(args.dir, detached=True).start()
-        except ClusterError as e:
+        except (ClusterError, BuildError) as e:
             print(f"cluster-up failed: {e}", file=sys.stderr)
             return 1
         print(f"Local cluster running (logs in {c.workdir / 'logs'}, pod logs under {c.pods_dir}).")
