@@ -120,7 +120,7 @@ def main() -> int:
         print()
         log("interrupted; cleaning up")
         return 130
-    except (ks.SetupError, ks.ClusterError, ks.BuildError, TimeoutError) as e:
+    except ks.SETUP_FAILURES as e:
         log(f"demo failed: {e}")
         if demo.cluster is not None:
             log(f"cluster logs: {demo.cluster.workdir / 'logs'}; pod logs under {demo.cluster.pods_dir}")

@@ -49,6 +49,10 @@ class SetupError(RuntimeError):
     """A step failed; the message says which and where to look."""
 
 
+# What a failed set-up step raises (a step, the cluster, a build, a wait): a script logs it
+# in one line and exits 1.
+SETUP_FAILURES = (SetupError, ClusterError, BuildError, TimeoutError)
+
 
 def run_to_exit_code(job, what: str) -> int:
     """A benchmark script's main: `job.run()` as the exit code; SIGTERM and Ctrl-C clean up
@@ -61,7 +65,7 @@ def run_to_exit_code(job, what: str) -> int:
     except KeyboardInterrupt:
         log("interrupted; cleaning up")
         return 130
-    except (SetupError, ClusterError, BuildError, TimeoutError) as e:
+    except SETUP_FAILURES as e:
         log(f"{what} failed: {e}")
         return 1
     finally:
@@ -483,6 +487,6 @@ def _rfc3339(text: str) -> float:
     return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc).timestamp()
 
 
-__all__ = ["BuildError", "ClusterError", "LoadDriver", "Monitor", "SetupError", "Workload", "run_to_exit_code",
+__all__ = ["BuildError", "ClusterError", "LoadDriver", "Monitor", "SETUP_FAILURES", "SetupError", "Workload", "run_to_exit_code",
            "deploy", "engine_pods", "get_llmd", "gateway_sees_no_replica", "gateway_url", "install_operator", "load_targets", "llmd_manifest", "log", "open_cluster",
            "pod_urls", "preemptions_total", "set_live", "wait_for"]
