@@ -74,6 +74,12 @@ class Objectives(Model):
         description="TPOT objective: p95 over requests of each request's mean time per output "
                     "token (e.g. 50ms). Set, the autotuner narrows the batch (max_num_seqs) when "
                     "TPOT p95 exceeds it and never widens it past it; unset, TPOT is not tuned for.")
+    ttft: Optional[str] = Field(
+        default=None, pattern=DURATION_PATTERN, max_length=32,
+        description="TTFT objective: p95 time to first token (e.g. 2s). Set, a queue counts as "
+                    "pressure (a reason to widen the batch or add a replica) only while TTFT p95 is at "
+                    "least half of it, and a replica is given back while bursts still queue if TTFT "
+                    "p95 grown with the load stays under half of it; unset, any queue is pressure.")
 
 
 class AutotuneSpec(Model):

@@ -18,7 +18,8 @@ PrometheusReader.from_url."""
 from .capacity import TINY_FLOAT32, CapacityPlan, ModelShape, kv_cache_bytes, plan_capacity
 from .decision import Action, Bounds, Decision, Diagnosis, Range, Settings, Thresholds
 from .history import History, HistoryEntry
-from .policy import DEFAULT_THRESHOLDS, decide, prefix_cache_warning
+from .advice import prefix_cache_warning
+from .policy import DEFAULT_THRESHOLDS, decide
 from .prometheus.reader import PrometheusReader
 from .prometheus.client import QueryClient
 from .prometheus.queries import Target, build_queries

@@ -1,4 +1,5 @@
-"""Advice the autotuner gives but never applies: settings that need the pods restarted.
+"""Advice the autotuner gives but never applies: settings that need the pods restarted, and a
+warning when a prefix the prompts share does not hit the cache.
 
 The field guide's remedies for a KV cache pinned near full are a smaller cache footprint
 per token (quantize the cache) or a shorter maximum length. The autotuner moves
@@ -55,3 +56,19 @@ def restart_advice(diagnosis: Diagnosis, snapshot: MetricsSnapshot | None, capac
               f"it is advised, not applied; check the deployment's quality with fp8 first (e4m3 "
               f"rounding changes some greedy tokens)")
     return [Advice("engine.kvCacheDtype", "fp8", reason)]
+
+
+def prefix_cache_warning(snapshot: MetricsSnapshot, shared_prefix: bool,
+                         thresholds: Thresholds = Thresholds()) -> str | None:
+    """A warning (for a condition and an Event; never an action) when prompts are known to
+    share a prefix (`shared_prefix`, e.g. a system prompt) yet the cache rarely hits: the
+    usual cause is per-request content (a timestamp, a user name) at the head of the
+    prompt, after which every token misses."""
+    rate = snapshot.prefix_hit_rate
+    if not shared_prefix or rate is None or rate >= thresholds.prefix_hit_low:
+        return None
+    if (snapshot.request_rate_per_s or 0.0) < thresholds.idle_rate_per_s:
+        return None
+    return (f"prefix-cache hit rate {rate:.0%} (< {thresholds.prefix_hit_low:.0%}) although prompts share "
+            f"a prefix: something that changes per request near the start of the prompt defeats the cache; "
+            f"move it after the shared part")

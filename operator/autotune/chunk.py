@@ -12,7 +12,13 @@ p95 against the objective, and the queue. Lowered under TPOTBound with
 prompt-heavy traffic, before the batch is narrowed, in proportion to the excess (halved to
 quartered); raised (doubled, up to the bound)
 when requests queue while TPOT has room. A lowered budget is not raised again within
-flip_backoff_s, and each move is verified on its target signal like any other."""
+flip_backoff_s, and each move is verified on its target signal like any other.
+
+TPOT p95 is each finished request's own mean time per output token, so a window in which
+load paused (bursty traffic: every window holds idle seconds) still measures it, where the
+running and waiting means are diluted. Lowering the budget on such a window needs only
+enough requests finished in it (`tpot_min_requests`); the policy's hold for a window of
+steady load stays for every move read from those means."""
 
 from __future__ import annotations
 
@@ -40,6 +46,11 @@ def lowered(mbt: int, tpot_p95: float | None, objective: float | None, t: Thresh
     want = mbt * t.tpot_target_ratio * objective / tpot_p95
     nearest = 2 ** round(math.log2(max(want, 1.0)))
     return int(min(mbt // 2, max(mbt // 4, nearest)))
+
+
+def tpot_sampled(s: MetricsSnapshot, t: Thresholds) -> bool:
+    """Whether enough requests finished in the window for its TPOT p95 to stand alone."""
+    return s.tpot_p95_s is not None and (s.request_rate_per_s or 0.0) * s.window_s >= t.tpot_min_requests
 
 
 def chunk_change(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: History,

@@ -83,6 +83,16 @@ class Thresholds:
     # The user's TPOT objective (p95 of each request's mean time per output token), from
     # spec.autotune.objectives.tpot; None turns the TPOT rules off.
     tpot_objective_s: float | None = None
+    # The user's TTFT objective (p95 of vllm:time_to_first_token_seconds), from
+    # spec.autotune.objectives.ttft. Set, a queue is pressure only while TTFT p95 is at least
+    # ttft_enter_ratio x it (ttft_exit_ratio once queueing): waiting that keeps the first
+    # token well inside the objective costs the user nothing, and a replica for it is waste.
+    # A scale-in keeps TTFT p95, grown with the load each replica left carries, under
+    # ttft_scale_in_ratio x it.
+    ttft_objective_s: float | None = None
+    ttft_enter_ratio: float = 0.5
+    ttft_exit_ratio: float = 0.35
+    ttft_scale_in_ratio: float = 0.5
     # Narrowing aims at objective x tpot_target_ratio; max_num_seqs is not raised while TPOT
     # p95 is above objective x tpot_raise_ratio. Between the two lies the dead band that
     # keeps the batch from see-sawing (stock vLLM's TPOT buckets are coarse: 25/50/75 ms).
@@ -160,6 +170,9 @@ class Thresholds:
     # prompt tokens; it is raised for a queue only while TPOT p95 <= this x the objective.
     chunk_prompt_share: float = 0.5
     chunk_raise_tpot_ratio: float = 0.6
+    # TPOT p95 read from a window in which load paused is acted on (the chunk budget only)
+    # when at least this many requests finished in it.
+    tpot_min_requests: int = 50
     scale_in_tpot_ratio: float = 0.8
     model_max_residual: float = 0.15
     model_max_disagreement: float = 0.2

@@ -45,14 +45,14 @@ from ..api.spec import DEFAULT_PROMETHEUS_URL, LLMDeploymentSpec
 from ..names import GROUP, KIND, VERSION
 from ..api.validation import spec_tokens_bounds
 from ..api.status import AutotuneStatus, Condition, Effective
-from .advice import restart_advice
+from .advice import prefix_cache_warning, restart_advice
 from .capacity import CapacityPlan, plan_capacity
 from .decision import Action, Bounds, Decision, Diagnosis, Range, Settings, Thresholds
 from .prometheus.fleet import FleetReader, FleetReaders
 from .forecast import record as record_rate
 from .history import History
 from .planner import observation
-from .policy import prefix_cache_warning, decide
+from .policy import decide
 from .prometheus.condition import METRICS_CONDITION, metrics_condition
 from .prometheus.reader import PrometheusReader
 from .prometheus.client import connect
@@ -108,10 +108,11 @@ def autotune_step_for_pass() -> Callable[[AutotuneContext], AutotuneOutcome]:
 
 
 def thresholds_for(spec: LLMDeploymentSpec) -> Thresholds:
-    tpot = spec.autotune.objectives.tpot
+    tpot, ttft = spec.autotune.objectives.tpot, spec.autotune.objectives.ttft
     season = spec.autotune.season
     return Thresholds(cooldown_s=parse_duration(spec.autotune.cooldown),
                       tpot_objective_s=parse_duration(tpot) if tpot else None,
+                      ttft_objective_s=parse_duration(ttft) if ttft else None,
                       planner=spec.autotune.controller == "Model",
                       season_s=parse_duration(season) if season else None)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 
 from .capacity import CapacityPlan
-from .chunk import chunk_change
+from .chunk import chunk_change, tpot_sampled
 from .decision import Action, Bounds, Decision, Diagnosis, Settings, Thresholds
 from .forecast import ahead_of_load, holds_capacity
 from .history import History
@@ -108,14 +108,18 @@ def decide(
             return _change(now, snapshot, urgent, f"{evidence}; cooldown after {fmt_change(last.decision.change)}, "
                                                   f"but requests queue", verifies, verified)
         return hold(f"{evidence}; cooldown after {fmt_change(last.decision.change)}: {left:.0f}s left")
+    planned, proposal = None, None
     if diagnosis in PRESSURE and snapshot.running_min is not None and snapshot.running_min < 0.5:
         # A window that starts idle (load ramping up, or a pause) is no baseline: a change
-        # made on it would be judged against a fully loaded window and look like harm.
-        return hold(f"{evidence}; no request was running at some point in the window (load began "
-                    f"or paused within it): waiting for a whole window of steady load")
-
-    planned = None
-    proposal = speculation_change(diagnosis, snapshot, current, bounds, history, now, thresholds, -1)
+        # made on it would be judged against a fully loaded window and look like harm. TPOT
+        # p95 is per request, so the chunk budget may still move on it (chunk.py).
+        if diagnosis is Diagnosis.TPOT_BOUND and tpot_sampled(snapshot, thresholds):
+            proposal = chunk_change(diagnosis, snapshot, current, bounds, history, now, thresholds)
+        if proposal is None:
+            return hold(f"{evidence}; no request was running at some point in the window (load began "
+                        f"or paused within it): waiting for a whole window of steady load")
+    else:
+        proposal = speculation_change(diagnosis, snapshot, current, bounds, history, now, thresholds, -1)
     if proposal is None and diagnosis in PLANNED and model_plan is not None:
         proposal = planned_change(diagnosis, snapshot, current, model_plan, history, now, thresholds)
         if proposal is not None:
@@ -148,22 +152,6 @@ def decide(
                     target=target, baseline=signal(snapshot, target) if target else None,
                     throughput_baseline=throughput_baseline(snapshot, thresholds) if guarded else None,
                     verifies=verifies, verified=verified, planned_replicas=planned)
-
-
-def prefix_cache_warning(snapshot: MetricsSnapshot, shared_prefix: bool,
-                         thresholds: Thresholds = DEFAULT_THRESHOLDS) -> str | None:
-    """A warning (for a condition and an Event; never an action) when prompts are known to
-    share a prefix (`shared_prefix`, e.g. a system prompt) yet the cache rarely hits: the
-    usual cause is per-request content (a timestamp, a user name) at the head of the
-    prompt, after which every token misses."""
-    rate = snapshot.prefix_hit_rate
-    if not shared_prefix or rate is None or rate >= thresholds.prefix_hit_low:
-        return None
-    if (snapshot.request_rate_per_s or 0.0) < thresholds.idle_rate_per_s:
-        return None
-    return (f"prefix-cache hit rate {rate:.0%} (< {thresholds.prefix_hit_low:.0%}) although prompts share "
-            f"a prefix: something that changes per request near the start of the prompt defeats the cache; "
-            f"move it after the shared part")
 
 
 # --- diagnosis --------------------------------------------------------------------------
@@ -218,6 +206,10 @@ def _diagnose_load(s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: H
     queueing = queue_p95 >= queue_level or s.num_waiting >= waiting_level
     if not queueing:
         return Diagnosis.HEALTHY, f"healthy: {queue}, {kv}, {s.preemptions_per_s:.2f} preemptions/s"
+    ttft_level = ttft_pressure_level(t, in_queue)
+    if ttft_level is not None and s.ttft_p95_s is not None and s.ttft_p95_s < ttft_level:
+        return Diagnosis.HEALTHY, (f"healthy: {queue}, but TTFT p95 {s.ttft_p95_s:.2f}s < {ttft_level:.2f}s "
+                                   f"({t.ttft_objective_s:g}s objective): the wait costs no objective; {kv}")
     # The cap binds only when the pods run about as many sequences as it allows: queueing
     # with the cache and the cap both to spare (a burst of prompts waiting for the token
     # budget) is no reason to raise it.
@@ -329,6 +321,13 @@ def _urgent_scale_out(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, b
         return None
     out = _scale_out(cur, bounds, history, s, t, "", diagnosis)
     return out if out[0] else None
+
+
+def ttft_pressure_level(t: Thresholds, queueing: bool) -> float | None:
+    """The TTFT p95 below which a queue is no pressure (None: no TTFT objective)."""
+    if t.ttft_objective_s is None:
+        return None
+    return t.ttft_objective_s * (t.ttft_exit_ratio if queueing else t.ttft_enter_ratio)
 
 
 def backlog_served(s: MetricsSnapshot, t: Thresholds) -> str | None:

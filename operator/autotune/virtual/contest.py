@@ -53,13 +53,14 @@ def auto_settings(scen: Scenario, max_replicas: int, planner: bool = True,
     engine's bounds, and the same replica range the autoscalers get. `control_scale`
     shortens the interval, window, cooldown and pod start-up together (a compressed day)."""
     tpot = next((s.tpot_s for s in scen.slos if s.tpot_s), None)
+    ttft = next((s.ttft_s for s in scen.slos if s.ttft_s), None)
     f = control_scale
     return AutotuneSettings(
         mode="Auto", interval_s=INTERVAL_S * f, window_s=WINDOW_S * f,
         bounds=Bounds(Range(1, 1024), Range(1024, 32768), Range(1, max_replicas)),
         # The traffic's period, where the scenario says it repeats (a user's autotune.season):
         # the forecast's lead is a pod's start-up and an interval.
-        thresholds=Thresholds(tpot_objective_s=tpot, cooldown_s=COOLDOWN_S * f, planner=planner,
+        thresholds=Thresholds(tpot_objective_s=tpot, ttft_objective_s=ttft, cooldown_s=COOLDOWN_S * f, planner=planner,
                               season_s=scen.season_s, forecast_lead_s=(REPLICA_STARTUP_S + INTERVAL_S) * f,
                               forecast_settle_s=Thresholds.forecast_settle_s * f),
         replica_startup_s=REPLICA_STARTUP_S * f)

@@ -38,7 +38,8 @@ def _cmd(args: argparse.Namespace) -> int:
                               _range(args.max_model_len_bounds, "max_model_len_bounds"),
                               _range(args.replicas_bounds, "replicas_bounds"))
     thresholds = Thresholds(cooldown_s=parse_duration(args.cooldown),
-                            tpot_objective_s=parse_duration(args.tpot_objective) if args.tpot_objective else None)
+                            tpot_objective_s=parse_duration(args.tpot_objective) if args.tpot_objective else None,
+                            ttft_objective_s=parse_duration(args.ttft_objective) if args.ttft_objective else None)
     tune = AutotuneSettings(mode=args.mode, interval_s=parse_duration(args.interval),
                             window_s=parse_duration(args.window),
                             bounds=Bounds(Range(*seqs), Range(*length), Range(*replicas)),
@@ -98,6 +99,7 @@ def add_parser(subparsers) -> None:
     a.add_argument("--window", default=f"{WINDOW_S:g}s", help="as the contest's")
     a.add_argument("--cooldown", default=f"{COOLDOWN_S:g}s", help="as the contest's")
     a.add_argument("--tpot-objective", default=None, help="e.g. 50ms (spec.autotune.objectives.tpot)")
+    a.add_argument("--ttft-objective", default=None, help="e.g. 2s (spec.autotune.objectives.ttft)")
     a.add_argument("--max-num-seqs-bounds", default="1:1024", metavar="MIN:MAX")
     a.add_argument("--max-model-len-bounds", default="128:32768", metavar="MIN:MAX")
     a.add_argument("--replicas-bounds", default="1:1", metavar="MIN:MAX", help="spec.autoscaling min:max")

@@ -1,0 +1,86 @@
+"""Bursty traffic (the Azure code trace: bursts of prompts between idle seconds) and the
+user's TTFT objective: TPOT p95 is per request, so a window with a pause in it still moves
+the chunk budget; a queue that keeps the first token well inside the TTFT objective is no
+reason for a replica, and does not keep one that is not needed."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvpilot.operator.autotune import Action, Decision, Diagnosis, History, decide
+from kvpilot.operator.autotune.decision import Thresholds
+
+from test_autotune_no_harm import BOUNDS, CUR, T0, run_intervals, snap
+
+TPOT = Thresholds(tpot_objective_s=0.05, cooldown_s=60.0)
+SLO = Thresholds(tpot_objective_s=0.05, ttft_objective_s=2.0, cooldown_s=60.0)
+# A burst of long prompts inside a window that also held idle seconds: the running and
+# waiting means are diluted by the pause, TPOT p95 (each request's own) is not.
+BURST = dict(running_min=0.0, tpot_p95_s=0.19, tpot_mean_s=0.12, prompt_tokens_per_s=20000.0,
+             generation_tokens_per_s=150.0, num_running=9.0, request_rate_per_s=8.0)
+
+
+def test_a_window_with_a_pause_still_lowers_the_chunk_budget_on_tpot():
+    d = decide(snap(**BURST), CUR, BOUNDS, History(), T0, thresholds=TPOT)
+    assert d.diagnosis is Diagnosis.TPOT_BOUND and d.action is Action.CHANGE
+    assert d.change == {"max_num_batched_tokens": (8192, 2048)} and d.target == "tpot_p95_s"
+
+
+def test_too_few_requests_in_a_paused_window_hold():
+    few = snap(**dict(BURST, request_rate_per_s=0.5))  # 30 requests in the 60 s window
+    d = decide(few, CUR, BOUNDS, History(), T0, thresholds=TPOT)
+    assert d.action is Action.HOLD and "steady load" in d.reason
+
+
+def test_a_paused_window_never_narrows_the_batch():
+    # Decode-heavy: the TPOT rule would narrow max_num_seqs from the running mean, which the
+    # pause dilutes; that waits for a window of steady load.
+    decode_heavy = snap(**dict(BURST, prompt_tokens_per_s=500.0, generation_tokens_per_s=3000.0))
+    d = decide(decode_heavy, CUR, BOUNDS, History(), T0, thresholds=TPOT)
+    assert d.action is Action.HOLD and "steady load" in d.reason
+    assert not d.change
+
+
+def _queued(**kw):
+    base = dict(queue_time_p95_s=1.4, num_waiting=20.0, num_waiting_now=28.0, ttft_p95_s=0.9,
+                num_running=20.0, running_min=5.0, kv_usage_mean=0.05, kv_usage_max=0.1, tpot_p95_s=0.03,
+                prompt_tokens_per_s=500.0, generation_tokens_per_s=3000.0)  # decode-heavy: no chunk move
+    base.update(kw)
+    return snap(**base)
+
+
+def test_a_queue_inside_the_ttft_objective_adds_no_replica():
+    hardware = Thresholds(tpot_objective_s=0.05, cooldown_s=60.0)
+    cur = CUR  # 20 running against max_num_seqs 256: neither setting binds (HardwareBound)
+    decisions, after = run_intervals([_queued()] * 4, cur, t=replace(hardware, ttft_objective_s=2.0))
+    assert after.replicas == 1 and all(d.diagnosis is Diagnosis.HEALTHY for d in decisions)
+    assert "costs no objective" in decisions[0].reason
+    # Without the objective the same queue is pressure, and so it is once TTFT p95 nears it.
+    assert run_intervals([_queued()] * 4, cur, t=hardware)[1].replicas > 1
+    assert run_intervals([_queued(ttft_p95_s=1.6)] * 4, cur, t=replace(hardware, ttft_objective_s=2.0))[1].replicas > 1
+
+
+def test_a_replica_goes_back_when_bursts_queue_inside_the_ttft_objective():
+    # Three replicas on bursty traffic: every window holds a short queue (0.6 s p95) but the
+    # first token comes in 0.4 s; two replicas carry it at 0.6 s.
+    cur = replace(CUR, replicas=3)
+    bursty = snap(queue_time_p95_s=0.6, num_waiting=3.0, num_waiting_now=0.0, ttft_p95_s=0.4, num_running=6.0,
+                  tpot_p95_s=0.02)
+    decisions, after = run_intervals([bursty] * 10, cur, t=SLO)
+    assert after.replicas < 3, [d.reason for d in decisions]
+    # Without the objective, the same queue keeps all three.
+    assert run_intervals([bursty] * 10, cur, t=TPOT)[1].replicas == 3
+    # With the first token at 0.8 s, one fewer replica would put it past half the objective.
+    slow = replace(bursty, ttft_p95_s=0.8)
+    decisions, after = run_intervals([slow] * 10, cur, t=SLO)
+    assert after.replicas == 3 and "TTFT p95 0.80s x 1.50" in decisions[-1].reason
+
+
+def test_a_scale_in_waits_while_requests_wait_now():
+    cur = replace(CUR, replicas=2)
+    waiting = snap(queue_time_p95_s=0.6, num_waiting=3.0, num_waiting_now=5.0, ttft_p95_s=0.3, num_running=4.0)
+    h = History()
+    for k in range(5):
+        h = h.record(Decision(T0 - 90 + 15 * k, Diagnosis.HEALTHY, Action.HOLD, "calm"), applied=False)
+    d = decide(waiting, cur, BOUNDS, h, T0, thresholds=SLO)
+    assert "replicas" not in d.change and "5 requests wait now" in d.reason
