@@ -18,7 +18,10 @@ TPOT p95 is each finished request's own mean time per output token, so a window 
 load paused (bursty traffic: every window holds idle seconds) still measures it, where the
 running and waiting means are diluted. Lowering the budget on such a window needs only
 enough requests finished in it (`tpot_min_requests`); the policy's hold for a window of
-steady load stays for every move read from those means."""
+steady load stays for every move read from those means. For the same reason a scale-out
+just made does not hold the lowering: that change is never reverted, so neither its
+verification nor its cooldown needs the budget to stay where it is, and a new replica takes
+minutes to lower TPOT that a smaller chunk lowers at the next step."""
 
 from __future__ import annotations
 
@@ -51,6 +54,19 @@ def lowered(mbt: int, tpot_p95: float | None, objective: float | None, t: Thresh
 def tpot_sampled(s: MetricsSnapshot, t: Thresholds) -> bool:
     """Whether enough requests finished in the window for its TPOT p95 to stand alone."""
     return s.tpot_p95_s is not None and (s.request_rate_per_s or 0.0) * s.window_s >= t.tpot_min_requests
+
+
+def beside_scale_out(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds: Bounds,
+                     history: History, now: float, t: Thresholds):
+    """The lowering chunk_change proposes for TPOT when the last change applied was a
+    scale-out (which would otherwise hold it for its verification and cooldown), or None."""
+    last = history.last_applied()
+    if diagnosis is not Diagnosis.TPOT_BOUND or last is None or set(last.decision.change) != {"replicas"}:
+        return None
+    old, new = last.decision.change["replicas"]
+    if new <= old or not tpot_sampled(s, t):
+        return None
+    return chunk_change(diagnosis, s, cur, bounds, history, now, t)
 
 
 def chunk_change(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: History,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 
 from .capacity import CapacityPlan
-from .chunk import chunk_change, tpot_sampled
+from .chunk import beside_scale_out, chunk_change, tpot_sampled
 from .decision import Action, Bounds, Decision, Diagnosis, Settings, Thresholds
 from .forecast import ahead_of_load, holds_capacity
 from .history import History
@@ -72,11 +72,15 @@ def decide(
     # Replicas a rise seen a period ago will need (forecast.py): they start now, a pod's
     # start-up ahead of it; like a scale-out for a queue, nothing else holds them back.
     ahead = ahead_of_load(snapshot, current, bounds, history, now, thresholds)
+    # A smaller chunk for TPOT right after a scale-out: that change is never reverted (chunk.py).
+    beside = beside_scale_out(diagnosis, snapshot, current, bounds, history, now, thresholds)
     if verdict.wait:
         if urgent is not None:  # judging a setting never keeps capacity from a building queue
             return _change(now, snapshot, urgent, f"{evidence}; {verdict.wait}, but requests queue")
         if ahead is not None:
             return _change(now, snapshot, ahead[:3] + (diagnosis,), f"{evidence}; {verdict.wait}")
+        if beside is not None:
+            return _change(now, snapshot, beside, f"{evidence}; {verdict.wait}, but a scale-out is never reverted")
         return Decision(now, diagnosis, Action.HOLD, f"{evidence}; {verdict.wait}")
     if verdict.revert:
         return Decision(now, diagnosis, Action.REVERT, verdict.note, change=verdict.revert,
@@ -107,6 +111,9 @@ def decide(
         if urgent is not None and "replicas" not in last.decision.change:
             return _change(now, snapshot, urgent, f"{evidence}; cooldown after {fmt_change(last.decision.change)}, "
                                                   f"but requests queue", verifies, verified)
+        if beside is not None:
+            return _change(now, snapshot, beside, f"{evidence}; cooldown after {fmt_change(last.decision.change)}, "
+                                                  f"but a scale-out is never reverted", verifies, verified)
         return hold(f"{evidence}; cooldown after {fmt_change(last.decision.change)}: {left:.0f}s left")
     planned, proposal = None, None
     if diagnosis in PRESSURE and snapshot.running_min is not None and snapshot.running_min < 0.5:
@@ -311,6 +318,8 @@ def _urgent_scale_out(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, b
     chunks would only lengthen the queue), for scale_out_windows intervals. A scale-out is
     never reverted, so verifying an earlier settings change, or its cooldown, must not hold it."""
     queueing = (s.queue_time_p95_s or 0.0) >= t.queue_enter_s or (s.num_waiting or 0.0) >= t.waiting_enter
+    ttft_level = ttft_pressure_level(t, False)  # a queue the TTFT objective absorbs is no emergency
+    queueing = queueing and (ttft_level is None or s.ttft_p95_s is None or s.ttft_p95_s >= ttft_level)
     # A queue already draining (fewer waiting now than on average over the window, or next to
     # none: queue p95 still counts the waits of a backlog just served) is being served by the
     # capacity there is: no more on top of it.

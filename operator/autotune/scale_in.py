@@ -1,7 +1,8 @@
 """Capacity comes back when demand falls, by rule, without the deployment model: the fewest
-replicas (down to half the fleet in one move) that would carry the load, once the
-deployment has been calm for `scale_in_windows` intervals and the load of the replicas
-left would still sit well inside every limit it shows today.
+replicas that would carry the load, in one move, once the deployment has been calm for
+`scale_in_windows` intervals (the stabilization, as the HPA's, whose default policy also
+goes to its recommendation at once) and the load of the replicas left would still sit well
+inside every limit it shows today.
 
 The projection is the plain share: with R replicas serving, R - k carry R / (R - k) of
 each pod's running sequences, KV cache and prompt tokens, and TPOT p95 is projected to grow
@@ -62,9 +63,9 @@ def load_when_added(history: History, replicas: int, now: float, t: Thresholds) 
 def scale_in_when_calm(s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: History, now: float,
                        t: Thresholds):
     """(change, target, sentence, diagnosis) removing replicas, an explanation of why not
-    yet ({} change), or None when there is nothing to remove. Several go at once, down to
-    half the fleet, when the load would sit inside every limit with that many fewer (a
-    burst's replicas come back in a step or two, not one a cooldown)."""
+    yet ({} change), or None when there is nothing to remove. Several go at once when the
+    load would sit inside every limit with that many fewer (a burst's replicas come back in
+    one step, not one a cooldown)."""
     floor = max(bounds.replicas.min, 1)
     if cur.replicas <= floor or cur.hpa_owns_scale:
         return None
@@ -77,7 +78,7 @@ def scale_in_when_calm(s: MetricsSnapshot, cur: Settings, bounds: Bounds, histor
     # A fitted model too uncertain to size capacity may still veto giving it back: its TPOT
     # with fewer replicas grows with the prompt load's share of each step.
     model = fit(history, now) if len(history.observations) >= 3 else None
-    lowest = max(floor, -(-cur.replicas // 2))
+    lowest = floor
     for target in range(lowest, cur.replicas):  # the fewest replicas that carry the load
         if not limits_at(s, cur, history, now, t, target, serving, model):
             k = cur.replicas / target

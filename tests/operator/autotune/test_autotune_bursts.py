@@ -84,3 +84,38 @@ def test_a_scale_in_waits_while_requests_wait_now():
         h = h.record(Decision(T0 - 90 + 15 * k, Diagnosis.HEALTHY, Action.HOLD, "calm"), applied=False)
     d = decide(waiting, cur, BOUNDS, h, T0, thresholds=SLO)
     assert "replicas" not in d.change and "5 requests wait now" in d.reason
+
+
+def test_a_scale_out_just_made_does_not_hold_a_smaller_chunk():
+    # The conversation trace at x4: a replica was added 15 s ago for a queue with TPOT over
+    # the objective; it is never reverted, so its verification and cooldown need not hold the
+    # smaller chunk that TPOT asks for (the new pod starts a minute later).
+    added = Decision(T0 - 15, Diagnosis.TPOT_BOUND, Action.CHANGE, "queue", change={"replicas": (1, 2)},
+                     target="queue_time_p95_s", baseline=1.5)
+    h = History().record(added, applied=True)
+    cur = replace(CUR, replicas=2, max_num_batched_tokens=4096)
+    over = snap(tpot_p95_s=0.056, tpot_mean_s=0.04, num_running=255.0, running_min=200.0, prompt_tokens_per_s=20000.0,
+                generation_tokens_per_s=4000.0, queue_time_p95_s=1.8, num_waiting=12.0, num_waiting_now=10.0,
+                ttft_p95_s=2.3)
+    d = decide(over, cur, BOUNDS, h, T0, thresholds=TPOT)
+    assert d.change == {"max_num_batched_tokens": (4096, 2048)}, d.reason
+    assert "a scale-out is never reverted" in d.reason
+    # A settings change just made still holds the next one for its verification.
+    chunk = Decision(T0 - 15, Diagnosis.TPOT_BOUND, Action.CHANGE, "tpot", change={"max_num_batched_tokens": (8192, 4096)},
+                     target="tpot_p95_s", baseline=0.06)
+    d = decide(replace(over, num_waiting_now=0.0), cur, BOUNDS, History().record(chunk, applied=True), T0, thresholds=TPOT)
+    assert d.action is Action.HOLD and "verifying" in d.reason
+
+
+def test_an_urgent_scale_out_weighs_the_queue_by_the_ttft_objective():
+    # The code trace's first minutes: TPOT over the objective from before a chunk change,
+    # four requests waiting, and the first token in 0.5 s against a 2 s objective.
+    chunk = Decision(T0 - 30, Diagnosis.TPOT_BOUND, Action.CHANGE, "tpot", change={"max_num_batched_tokens": (4096, 2048)},
+                     target="tpot_p95_s", baseline=0.079)
+    h = History().record(chunk, applied=True)
+    cur = replace(CUR, max_num_batched_tokens=2048)
+    queued = snap(**dict(BURST, running_min=2.0, tpot_p95_s=0.09, queue_time_p95_s=0.45, num_waiting=4.0,
+                         num_waiting_now=12.0, ttft_p95_s=0.5))
+    assert decide(queued, cur, BOUNDS, h, T0, thresholds=TPOT).change == {"replicas": (1, 2)}
+    d = decide(queued, cur, BOUNDS, h, T0, thresholds=SLO)
+    assert d.action is Action.HOLD and "verifying" in d.reason
