@@ -77,9 +77,9 @@ class Objectives(Model):
     ttft: Optional[str] = Field(
         default=None, pattern=DURATION_PATTERN, max_length=32,
         description="TTFT objective: p95 time to first token (e.g. 2s). Set, a queue counts as "
-                    "pressure (a reason to widen the batch or add a replica) only while TTFT p95 is at "
-                    "least half of it, and a replica is given back while bursts still queue if TTFT "
-                    "p95 grown with the load stays under half of it; unset, any queue is pressure.")
+                    "pressure (a reason to widen the batch or add a replica) only while its queue-time "
+                    "p95 is at least half of it, and a replica is given back while bursts still queue "
+                    "if that p95 grown with the load stays under half of it; unset, any queue is pressure.")
 
 
 class AutotuneSpec(Model):

@@ -83,12 +83,12 @@ class Thresholds:
     # The user's TPOT objective (p95 of each request's mean time per output token), from
     # spec.autotune.objectives.tpot; None turns the TPOT rules off.
     tpot_objective_s: float | None = None
-    # The user's TTFT objective (p95 of vllm:time_to_first_token_seconds), from
-    # spec.autotune.objectives.ttft. Set, a queue is pressure only while TTFT p95 is at least
-    # ttft_enter_ratio x it (ttft_exit_ratio once queueing): waiting that keeps the first
-    # token well inside the objective costs the user nothing, and a replica for it is waste.
-    # A scale-in keeps TTFT p95, grown with the load each replica left carries, under
-    # ttft_scale_in_ratio x it.
+    # The user's TTFT objective (p95 time to first token), from spec.autotune.objectives.ttft.
+    # Set, a queue is pressure only while its queue-time p95 is at least ttft_enter_ratio x
+    # it (ttft_exit_ratio once queueing): a wait that keeps the first token well inside the
+    # objective costs the user nothing, and a replica for it is waste (prefill time, which
+    # no replica shortens, is left out). A scale-in keeps that p95, grown with the load each
+    # replica left carries, under ttft_scale_in_ratio x it.
     ttft_objective_s: float | None = None
     ttft_enter_ratio: float = 0.5
     ttft_exit_ratio: float = 0.35

@@ -214,9 +214,9 @@ def _diagnose_load(s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: H
     if not queueing:
         return Diagnosis.HEALTHY, f"healthy: {queue}, {kv}, {s.preemptions_per_s:.2f} preemptions/s"
     ttft_level = ttft_pressure_level(t, in_queue)
-    if ttft_level is not None and s.ttft_p95_s is not None and s.ttft_p95_s < ttft_level:
-        return Diagnosis.HEALTHY, (f"healthy: {queue}, but TTFT p95 {s.ttft_p95_s:.2f}s < {ttft_level:.2f}s "
-                                   f"({t.ttft_objective_s:g}s objective): the wait costs no objective; {kv}")
+    if ttft_level is not None and queue_p95 < ttft_level:
+        return Diagnosis.HEALTHY, (f"healthy: {queue}, a wait under {ttft_level:.2f}s of the {t.ttft_objective_s:g}s "
+                                   f"TTFT objective: the queue costs no objective; {kv}")
     # The cap binds only when the pods run about as many sequences as it allows: queueing
     # with the cache and the cap both to spare (a burst of prompts waiting for the token
     # budget) is no reason to raise it.
@@ -319,7 +319,7 @@ def _urgent_scale_out(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, b
     never reverted, so verifying an earlier settings change, or its cooldown, must not hold it."""
     queueing = (s.queue_time_p95_s or 0.0) >= t.queue_enter_s or (s.num_waiting or 0.0) >= t.waiting_enter
     ttft_level = ttft_pressure_level(t, False)  # a queue the TTFT objective absorbs is no emergency
-    queueing = queueing and (ttft_level is None or s.ttft_p95_s is None or s.ttft_p95_s >= ttft_level)
+    queueing = queueing and (ttft_level is None or (s.queue_time_p95_s or 0.0) >= ttft_level)
     # A queue already draining (fewer waiting now than on average over the window, or next to
     # none: queue p95 still counts the waits of a backlog just served) is being served by the
     # capacity there is: no more on top of it.
@@ -333,7 +333,9 @@ def _urgent_scale_out(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, b
 
 
 def ttft_pressure_level(t: Thresholds, queueing: bool) -> float | None:
-    """The TTFT p95 below which a queue is no pressure (None: no TTFT objective)."""
+    """The queue-time p95 below which a queue is no pressure: a share of the TTFT objective
+    (None: no TTFT objective). Queue time, not TTFT: prefill, which no replica shortens, is
+    left out."""
     if t.ttft_objective_s is None:
         return None
     return t.ttft_objective_s * (t.ttft_exit_ratio if queueing else t.ttft_enter_ratio)

@@ -120,12 +120,13 @@ def limits_at(s: MetricsSnapshot, cur: Settings, history: History, now: float, t
     # sequences): an over-estimate at light load, where a replica is most likely spare.
     if t.tpot_objective_s is not None and (s.tpot_p95_s or 0.0) * k > t.scale_in_tpot_ratio * t.tpot_objective_s:
         limits.append(f"TPOT p95 {1000 * s.tpot_p95_s:.0f}ms x {k:.2f} > {t.scale_in_tpot_ratio:g} x the objective")
-    if t.ttft_objective_s is not None and s.ttft_p95_s is not None:
-        # The queue measured by what it costs: TTFT grown with the load (queueing grows faster
-        # than that near saturation, hence the margin), and nothing left waiting now.
-        if s.ttft_p95_s * k > t.ttft_scale_in_ratio * t.ttft_objective_s:
-            limits.append(f"TTFT p95 {s.ttft_p95_s:.2f}s x {k:.2f} > {t.ttft_scale_in_ratio:g} x the "
-                          f"{t.ttft_objective_s:g}s objective")
+    if t.ttft_objective_s is not None:
+        # The queue measured by what it costs the first token, grown with the load (queueing
+        # grows faster than that near saturation, hence the margin), and nothing waiting now.
+        wait = s.queue_time_p95_s or 0.0
+        if wait * k > t.ttft_scale_in_ratio * t.ttft_objective_s:
+            limits.append(f"queue p95 {wait:.2f}s x {k:.2f} > {t.ttft_scale_in_ratio:g} x the "
+                          f"{t.ttft_objective_s:g}s TTFT objective")
         if (s.num_waiting_now or 0.0) >= t.waiting_enter:
             limits.append(f"{s.num_waiting_now:.0f} requests wait now")
     elif (s.queue_time_p95_s or 0.0) >= t.queue_exit_s or (s.num_waiting or 0.0) >= t.waiting_exit:
