@@ -71,8 +71,12 @@ def scale_out_in_cooldown(diagnosis: Diagnosis, cur: Settings, p: Plan | None, l
 def planned_change(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, p: Plan, history: History,
                    now: float, t: Thresholds):
     """(change, target signal, sentence, diagnosis, planned replicas) for the policy."""
-    change = {}
-    if p.replicas > cur.replicas:
+    change, note = {}, ""
+    if p.replicas > cur.replicas and diagnosis is Diagnosis.HEALTHY:
+        # The deployment carries its load within the objectives now; a model that says it
+        # cannot disagrees with what the deployment shows, and a replica is no test of that.
+        note = f"the plan's {p.replicas} replicas wait for pressure (the deployment is healthy at {cur.replicas}); "
+    elif p.replicas > cur.replicas:
         change["replicas"] = (cur.replicas, p.replicas)
     elif p.replicas < cur.replicas:
         # Scale in only after scale_in_windows calm intervals that all planned fewer, and
@@ -95,7 +99,7 @@ def planned_change(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, p: P
     if direction in wanted and not blocked_move(history, "max_num_seqs", direction, now, t):
         change["max_num_seqs"] = (cur.max_num_seqs, p.max_num_seqs)
     if not change:
-        return {}, None, f"plan: hold ({p.reason})", diagnosis, p.replicas
+        return {}, None, f"plan: hold ({note}{p.reason})", diagnosis, p.replicas
     # A width change alone is verified as the rules' are; one with replicas is not (a
     # scale-out is never reverted, a scale-in has waited for calm plans already).
     target = None

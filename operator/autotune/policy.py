@@ -31,7 +31,7 @@ from .forecast import ahead_of_load, holds_capacity
 from .history import History
 from .memory import PRESSURE, QUEUE_BOUND, blocked_move, broken_width, cap_in_window
 from .planned import PLANNED, plan_from_history, planned_change, scale_out_in_cooldown
-from .scale_in import scale_in_when_calm
+from .scale_in import scale_in_when_calm, scale_in_when_idle
 from .signals import MetricsSnapshot
 from .speculation import speculation_change
 from .steps import (len_target, lower_seqs, lower_seqs_for_tpot, raise_seqs, round_up, seqs_ceiling,
@@ -242,7 +242,7 @@ def _act(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds: Bounds
          now: float, capacity: CapacityPlan | None, t: Thresholds):
     """(change, target signal, sentence, diagnosis) for the diagnosis, or None to hold."""
     if diagnosis is Diagnosis.IDLE:
-        return _scale_in(cur, bounds, history, t)
+        return scale_in_when_idle(cur, bounds, history, now, t)
     if diagnosis is Diagnosis.PREEMPTION_BOUND:
         new = lower_seqs(cur, bounds, capacity, t, running := s.running_per_pod(cur.replicas))
         blocked = blocked_move(history, "max_num_seqs", -1, now, t)
@@ -379,19 +379,6 @@ def _scale_out(cur: Settings, bounds: Bounds, history: History, s: MetricsSnapsh
     target = "queue_time_p95_s" if s.queue_time_p95_s is not None else "num_waiting"
     return ({"replicas": (cur.replicas, cur.replicas + 1)}, target,
             f"{prefix}add a replica {cur.replicas} -> {cur.replicas + 1}", diagnosis)
-
-
-def _scale_in(cur: Settings, bounds: Bounds, history: History, t: Thresholds):
-    floor = max(bounds.replicas.min, 1)  # at zero pods nothing reports load to scale back up
-    if cur.replicas <= floor:
-        return None
-    if cur.hpa_owns_scale:
-        return {}, None, "an HPA owns the replica count, so replicas are left to it", Diagnosis.IDLE
-    earlier = history.recent_diagnoses(t.idle_windows - 1)
-    if len(earlier) < t.idle_windows - 1 or any(d is not Diagnosis.IDLE for d in earlier):
-        return {}, None, f"removing a replica once idle for {t.idle_windows} intervals", Diagnosis.IDLE
-    return ({"replicas": (cur.replicas, cur.replicas - 1)}, None,
-            f"remove a replica {cur.replicas} -> {cur.replicas - 1}", Diagnosis.IDLE)
 
 
 # --- helpers ----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Capacity comes back when demand falls, by rule, without the deployment model: the fewest
+"""Capacity comes back when demand falls, by rule, without the deployment model. After
+`idle_windows` idle intervals one replica goes (never to zero by this rule). Otherwise the fewest
 replicas that would carry the load, in one move, once the deployment has been calm for
 `scale_in_windows` intervals (the stabilization, as the HPA's, whose default policy also
 goes to its recommendation at once) and the load of the replicas left would still sit well
@@ -136,3 +137,20 @@ def limits_at(s: MetricsSnapshot, cur: Settings, history: History, now: float, t
         if after > t.scale_in_tpot_ratio * t.tpot_objective_s:
             limits.append(f"the fitted model puts TPOT p95 at ~{1000 * after:.0f}ms")
     return limits
+
+
+def scale_in_when_idle(cur: Settings, bounds: Bounds, history: History, now: float, t: Thresholds):
+    """(change, target, sentence, diagnosis) removing one replica after idle_windows idle
+    intervals, an explanation of why not yet ({} change), or None at the floor."""
+    floor = max(bounds.replicas.min, 1)  # at zero pods nothing reports load to scale back up
+    if cur.replicas <= floor:
+        return None
+    if cur.hpa_owns_scale:
+        return {}, None, "an HPA owns the replica count, so replicas are left to it", Diagnosis.IDLE
+    earlier = history.recent_diagnoses(t.idle_windows - 1)
+    if len(earlier) < t.idle_windows - 1 or any(d is not Diagnosis.IDLE for d in earlier):
+        return {}, None, f"removing a replica once idle for {t.idle_windows} intervals", Diagnosis.IDLE
+    if blocked := flipped(history, now, t, cur.replicas - 1):  # a lull between bursts, seen before
+        return {}, None, blocked, Diagnosis.IDLE
+    return ({"replicas": (cur.replicas, cur.replicas - 1)}, None,
+            f"remove a replica {cur.replicas} -> {cur.replicas - 1}", Diagnosis.IDLE)

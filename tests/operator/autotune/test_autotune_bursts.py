@@ -120,3 +120,22 @@ def test_an_urgent_scale_out_weighs_the_queue_by_the_ttft_objective():
     assert decide(queued, cur, BOUNDS, h, T0, thresholds=TPOT).change == {"replicas": (1, 2)}
     d = decide(queued, cur, BOUNDS, h, T0, thresholds=SLO)
     assert d.action is Action.HOLD and "verifying" in d.reason
+
+
+def test_an_idle_lull_between_bursts_does_not_repeat_a_scale_in_that_failed():
+    # The code trace at x2: a scale-in to one replica in a lull, a scale-out for the next
+    # burst; the next idle stretch must not take the replica away again within 10 minutes.
+    cur = replace(CUR, replicas=2)
+    h = History()
+    h = h.record(Decision(T0 - 200, Diagnosis.HEALTHY, Action.CHANGE, "calm", change={"replicas": (2, 1)}), applied=True)
+    h = h.record(Decision(T0 - 110, Diagnosis.HARDWARE_BOUND, Action.CHANGE, "queue", change={"replicas": (1, 2)}),
+                 applied=True)
+    idle = dict(request_rate_per_s=0.0, num_running=0.0, num_waiting=0.0, num_waiting_now=0.0,
+                queue_time_p95_s=None, tpot_p95_s=None, kv_usage_mean=0.0, kv_usage_max=0.0, running_min=0.0)
+    for k in range(2):
+        h = h.record(Decision(T0 - 30 + 15 * k, Diagnosis.IDLE, Action.HOLD, "idle"), applied=False)
+    d = decide(snap(**idle), cur, BOUNDS, h, T0, thresholds=SLO)
+    assert d.diagnosis is Diagnosis.IDLE and "replicas" not in d.change
+    assert "not going to 1 again yet" in d.reason
+    later = decide(snap(t=T0 + 600, **idle), cur, BOUNDS, h, T0 + 600, thresholds=SLO)
+    assert later.change == {"replicas": (2, 1)}

@@ -69,6 +69,20 @@ def test_a_trusted_model_names_its_fit_and_uncertainty():
     assert "fitted on 11 windows (residual" in d.reason and "uncertainty there" in d.reason
 
 
+def test_a_trusted_model_adds_no_replica_to_a_healthy_deployment():
+    # The conversation trace at x2: one replica serves 99.9 % within the objectives, yet the
+    # model's headroom planned two. What the deployment shows outranks what the model says.
+    history = History()
+    for k in range(10):
+        x, p = 20.0 + 25.0 * (k % 5), 2000.0 + 3000.0 * (k % 3)
+        history = history.observe(Observation(T0 - 15.0 * (10 - k), x, p, (0.010 + 0.0001 * x) / (1 - 20e-6 * p)))
+    carried = snap(tpot_p95_s=0.045, tpot_mean_s=0.035, num_running=240.0, running_min=200.0,
+                   prompt_tokens_per_s=19000.0, request_rate_per_s=24.0, generation_tokens_per_s=5000.0)
+    d = decide(carried, CUR, BOUNDS, history.observe(observation(carried, 1)), T0, thresholds=MODEL)
+    assert d.diagnosis is Diagnosis.HEALTHY and "replicas" not in d.change
+    assert "wait for pressure" in d.reason and "uncertainty there" in d.reason
+
+
 def test_a_mistaken_replica_is_returned_within_minutes():
     cur = replace(CUR, replicas=2)
     calm = snap(num_running=3.0, kv_usage_max=0.02)
