@@ -80,7 +80,8 @@ def decide(
         if ahead is not None:
             return _change(now, snapshot, ahead[:3] + (diagnosis,), f"{evidence}; {verdict.wait}")
         if beside is not None:
-            return _change(now, snapshot, beside, f"{evidence}; {verdict.wait}, but a scale-out is never reverted")
+            return _change(now, snapshot, beside, f"{evidence}; {verdict.wait}, but a scale-out is never reverted",
+                           t=thresholds)
         return Decision(now, diagnosis, Action.HOLD, f"{evidence}; {verdict.wait}")
     if verdict.revert:
         return Decision(now, diagnosis, Action.REVERT, verdict.note, change=verdict.revert,
@@ -113,7 +114,7 @@ def decide(
                                                   f"but requests queue", verifies, verified)
         if beside is not None:
             return _change(now, snapshot, beside, f"{evidence}; cooldown after {fmt_change(last.decision.change)}, "
-                                                  f"but a scale-out is never reverted", verifies, verified)
+                                                  f"but a scale-out is never reverted", verifies, verified, thresholds)
         return hold(f"{evidence}; cooldown after {fmt_change(last.decision.change)}: {left:.0f}s left")
     planned, proposal = None, None
     if diagnosis in PRESSURE and snapshot.running_min is not None and snapshot.running_min < 0.5:
@@ -154,7 +155,7 @@ def decide(
     kept = holds_capacity(history, now, thresholds, new) if new < old else None
     if kept:
         return hold(f"{evidence}; {kept}", planned)
-    guarded = target is not None and "replicas" not in change and target != "tpot_p95_s"
+    guarded = target is not None and "replicas" not in change
     return Decision(now, diagnosis, Action.CHANGE, f"{evidence}; {extra}", change=change,
                     target=target, baseline=signal(snapshot, target) if target else None,
                     throughput_baseline=throughput_baseline(snapshot, thresholds) if guarded else None,
@@ -352,10 +353,13 @@ def backlog_served(s: MetricsSnapshot, t: Thresholds) -> str | None:
             f"but {now:.1f} waiting now: the backlog has been served, so no replica for it")
 
 
-def _change(now: float, s: MetricsSnapshot, proposal, evidence: str, verifies=None, verified=None) -> Decision:
+def _change(now: float, s: MetricsSnapshot, proposal, evidence: str, verifies=None, verified=None,
+            t: Thresholds = DEFAULT_THRESHOLDS) -> Decision:
     change, target, extra, diagnosis = proposal
+    guarded = target is not None and "replicas" not in change
     return Decision(now, diagnosis, Action.CHANGE, f"{evidence}; {extra}", change=change, target=target,
-                    baseline=signal(s, target) if target else None, verifies=verifies, verified=verified)
+                    baseline=signal(s, target) if target else None, verifies=verifies, verified=verified,
+                    throughput_baseline=throughput_baseline(s, t) if guarded else None)
 
 
 def _scale_out(cur: Settings, bounds: Bounds, history: History, s: MetricsSnapshot, t: Thresholds,

@@ -139,3 +139,27 @@ def test_an_idle_lull_between_bursts_does_not_repeat_a_scale_in_that_failed():
     assert "not going to 1 again yet" in d.reason
     later = decide(snap(t=T0 + 600, **idle), cur, BOUNDS, h, T0 + 600, thresholds=SLO)
     assert later.change == {"replicas": (2, 1)}
+
+
+def test_a_smaller_chunk_is_not_reverted_for_tpot_that_more_load_raised():
+    # Mooncake, 20-30 min: the chunk went 8192 -> 4096 with requests waiting; a window later
+    # TPOT p95 is higher, but output rose by half with requests still waiting: the load
+    # grew (a second replica came up and more arrived), which says nothing against the chunk.
+    t = TPOT
+    cur = replace(CUR, replicas=2, max_num_batched_tokens=8192)
+    before = snap(tpot_p95_s=0.054, tpot_mean_s=0.04, num_running=42.0, running_min=20.0, prompt_tokens_per_s=20000.0,
+                  generation_tokens_per_s=1000.0, queue_time_p95_s=3.0, num_waiting=12.0, num_waiting_now=12.0)
+    lowered = decide(before, cur, BOUNDS, History(), T0, thresholds=t)
+    assert lowered.change == {"max_num_batched_tokens": (8192, 4096)}
+    assert lowered.throughput_baseline == 1000.0  # it measures more load apart from harm
+    h = History().record(lowered, applied=True)
+    cur = replace(cur, max_num_batched_tokens=4096)
+    busier = replace(before, time=T0 + 150, tpot_p95_s=0.0715, generation_tokens_per_s=1500.0)
+    d = decide(busier, cur, BOUNDS, h, T0 + 150, thresholds=t)
+    assert d.action is not Action.REVERT and "more load, not the change" in d.reason, d.reason
+    # The same TPOT with output flat is the change's doing: reverted.
+    flat = replace(busier, generation_tokens_per_s=1000.0)
+    assert decide(flat, cur, BOUNDS, h, T0 + 150, thresholds=t).action is Action.REVERT
+    # Output down with TPOT better is the trade a chunk change is for: kept.
+    traded = replace(busier, tpot_p95_s=0.04, generation_tokens_per_s=700.0)
+    assert decide(traded, cur, BOUNDS, h, T0 + 150, thresholds=t).action is not Action.REVERT
