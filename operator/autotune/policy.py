@@ -155,11 +155,8 @@ def decide(
     kept = holds_capacity(history, now, thresholds, new) if new < old else None
     if kept:
         return hold(f"{evidence}; {kept}", planned)
-    guarded = target is not None and "replicas" not in change
-    return Decision(now, diagnosis, Action.CHANGE, f"{evidence}; {extra}", change=change,
-                    target=target, baseline=signal(snapshot, target) if target else None,
-                    throughput_baseline=throughput_baseline(snapshot, thresholds) if guarded else None,
-                    verifies=verifies, verified=verified, planned_replicas=planned)
+    return _change(now, snapshot, (change, target, extra, diagnosis), evidence, verifies, verified, thresholds,
+                   planned)
 
 
 # --- diagnosis --------------------------------------------------------------------------
@@ -354,12 +351,13 @@ def backlog_served(s: MetricsSnapshot, t: Thresholds) -> str | None:
 
 
 def _change(now: float, s: MetricsSnapshot, proposal, evidence: str, verifies=None, verified=None,
-            t: Thresholds = DEFAULT_THRESHOLDS) -> Decision:
+            t: Thresholds = DEFAULT_THRESHOLDS, planned: int | None = None) -> Decision:
+    """The Decision applying a proposal; a settings change keeps output tokens/s to be judged by."""
     change, target, extra, diagnosis = proposal
     guarded = target is not None and "replicas" not in change
     return Decision(now, diagnosis, Action.CHANGE, f"{evidence}; {extra}", change=change, target=target,
                     baseline=signal(s, target) if target else None, verifies=verifies, verified=verified,
-                    throughput_baseline=throughput_baseline(s, t) if guarded else None)
+                    throughput_baseline=throughput_baseline(s, t) if guarded else None, planned_replicas=planned)
 
 
 def _scale_out(cur: Settings, bounds: Bounds, history: History, s: MetricsSnapshot, t: Thresholds,
