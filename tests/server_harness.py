@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import shutil
 import signal
 import tempfile
 import time
@@ -117,8 +118,10 @@ def shared_server(kind: str = "real") -> ServerProcess:
         proc.wait_ready()
     except BaseException:
         proc.stop(signal.SIGKILL)
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
     _shared[kind] = proc
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # runs after the stop below (LIFO)
     atexit.register(proc.stop)
     return proc
 

@@ -5,6 +5,7 @@ file turns speculation off and on under load without failing a request."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import tempfile
 import threading
@@ -37,6 +38,7 @@ def server():
         yield proc
     finally:
         proc.stop(signal.SIGTERM)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _http(server) -> httpx.Client:
