@@ -8,7 +8,8 @@ Order of business each interval:
 4. the last applied change is verified once a whole window after it is in (verify.py):
    if the signal it targeted got worse, or it cost throughput, the answer is its revert;
 5. holds: still verifying, pods not yet reporting the settings, cooldown, a window that
-   is not all under load (ramp-up);
+   is not all under load (ramp-up); neither that nor a scale-out's verification or cooldown
+   holds a smaller chunk for TPOT (chunk.py);
 6. speculation that costs more than it earns is turned down first (speculation.py): its drafts
    are compute spent for nothing, and undoing it moves no memory;
 7. the rule for the diagnosis (how far each move goes: steps.py), in the order a person
