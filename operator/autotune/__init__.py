@@ -16,10 +16,10 @@ Nothing here imports kopf or kubernetes; prometheus_api_client is imported only 
 PrometheusReader.from_url."""
 
 from .capacity import TINY_FLOAT32, CapacityPlan, ModelShape, kv_cache_bytes, plan_capacity
-from .decision import Action, Bounds, Decision, Diagnosis, Range, Settings, Thresholds
+from .decision import DEFAULT_THRESHOLDS, Action, Bounds, Decision, Diagnosis, Range, Settings, Thresholds
 from .history import History, HistoryEntry
 from .advice import prefix_cache_warning
-from .policy import DEFAULT_THRESHOLDS, decide
+from .policy import decide
 from .prometheus.reader import PrometheusReader
 from .prometheus.client import QueryClient
 from .prometheus.queries import Target, build_queries

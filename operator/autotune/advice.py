@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .capacity import CapacityPlan
-from .decision import Diagnosis, Thresholds
+from .decision import DEFAULT_THRESHOLDS, Diagnosis, Thresholds
 from .signals import MetricsSnapshot
 
 # Diagnoses in which the cache's size is what binds: preempting for room, queueing with the
@@ -59,7 +59,7 @@ def restart_advice(diagnosis: Diagnosis, snapshot: MetricsSnapshot | None, capac
 
 
 def prefix_cache_warning(snapshot: MetricsSnapshot, shared_prefix: bool,
-                         thresholds: Thresholds = Thresholds()) -> str | None:
+                         thresholds: Thresholds = DEFAULT_THRESHOLDS) -> str | None:
     """A warning (for a condition and an Event; never an action) when prompts are known to
     share a prefix (`shared_prefix`, e.g. a system prompt) yet the cache rarely hits: the
     usual cause is per-request content (a timestamp, a user name) at the head of the

@@ -200,6 +200,9 @@ class Thresholds:
     spec_gain_margin: float = 0.1
 
 
+DEFAULT_THRESHOLDS = Thresholds()
+
+
 @dataclass(frozen=True)
 class Decision:
     time: float

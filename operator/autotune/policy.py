@@ -27,7 +27,7 @@ import math
 
 from .capacity import CapacityPlan
 from .chunk import beside_scale_out, chunk_change, tpot_sampled
-from .decision import Action, Bounds, Decision, Diagnosis, Settings, Thresholds
+from .decision import DEFAULT_THRESHOLDS, Action, Bounds, Decision, Diagnosis, Settings, Thresholds
 from .forecast import ahead_of_load, holds_capacity
 from .history import History
 from .memory import PRESSURE, QUEUE_BOUND, blocked_move, broken_width, cap_in_window
@@ -39,8 +39,6 @@ from .steps import (len_target, lower_seqs, lower_seqs_for_tpot, raise_seqs, rou
                     steps_from_running,
                     tpot_blocks_raise)
 from .verify import ago, fmt_change, judge_last_change, signal, throughput_baseline
-
-DEFAULT_THRESHOLDS = Thresholds()
 
 
 def decide(
@@ -77,12 +75,12 @@ def decide(
     beside = beside_scale_out(diagnosis, snapshot, current, bounds, history, now, thresholds)
     if verdict.wait:
         if urgent is not None:  # judging a setting never keeps capacity from a building queue
-            return _change(now, snapshot, urgent, f"{evidence}; {verdict.wait}, but requests queue")
+            return _change(now, snapshot, thresholds, urgent, f"{evidence}; {verdict.wait}, but requests queue")
         if ahead is not None:
-            return _change(now, snapshot, ahead[:3] + (diagnosis,), f"{evidence}; {verdict.wait}")
+            return _change(now, snapshot, thresholds, ahead[:3] + (diagnosis,), f"{evidence}; {verdict.wait}")
         if beside is not None:
-            return _change(now, snapshot, beside, f"{evidence}; {verdict.wait}, but a scale-out is never reverted",
-                           t=thresholds)
+            return _change(now, snapshot, thresholds, beside,
+                           f"{evidence}; {verdict.wait}, but a scale-out is never reverted")
         return Decision(now, diagnosis, Action.HOLD, f"{evidence}; {verdict.wait}")
     if verdict.revert:
         return Decision(now, diagnosis, Action.REVERT, verdict.note, change=verdict.revert,
@@ -102,7 +100,7 @@ def decide(
     if unconfirmed:
         return hold(f"{evidence}; waiting for the pods to report " + ", ".join(unconfirmed))
     if ahead is not None:
-        return _change(now, snapshot, ahead[:3] + (diagnosis,), evidence, verifies, verified)
+        return _change(now, snapshot, thresholds, ahead[:3] + (diagnosis,), evidence, verifies, verified)
     model_plan, model_note = plan_from_history(snapshot, current, bounds, history, now, thresholds)
     if model_note and diagnosis in PLANNED:
         evidence = f"{evidence}; {model_note}"
@@ -111,11 +109,11 @@ def decide(
             diagnosis, current, model_plan, last, now, thresholds):
         left = thresholds.cooldown_s - (now - last.decision.time)
         if urgent is not None and "replicas" not in last.decision.change:
-            return _change(now, snapshot, urgent, f"{evidence}; cooldown after {fmt_change(last.decision.change)}, "
-                                                  f"but requests queue", verifies, verified)
+            return _change(now, snapshot, thresholds, urgent, f"{evidence}; cooldown after "
+                           f"{fmt_change(last.decision.change)}, but requests queue", verifies, verified)
         if beside is not None:
-            return _change(now, snapshot, beside, f"{evidence}; cooldown after {fmt_change(last.decision.change)}, "
-                                                  f"but a scale-out is never reverted", verifies, verified, thresholds)
+            return _change(now, snapshot, thresholds, beside, f"{evidence}; cooldown after "
+                           f"{fmt_change(last.decision.change)}, but a scale-out is never reverted", verifies, verified)
         return hold(f"{evidence}; cooldown after {fmt_change(last.decision.change)}: {left:.0f}s left")
     planned, proposal = None, None
     if diagnosis in PRESSURE and snapshot.running_min is not None and snapshot.running_min < 0.5:
@@ -156,7 +154,7 @@ def decide(
     kept = holds_capacity(history, now, thresholds, new) if new < old else None
     if kept:
         return hold(f"{evidence}; {kept}", planned)
-    return _change(now, snapshot, (change, target, extra, diagnosis), evidence, verifies, verified, thresholds,
+    return _change(now, snapshot, thresholds, (change, target, extra, diagnosis), evidence, verifies, verified,
                    planned)
 
 
@@ -351,8 +349,8 @@ def backlog_served(s: MetricsSnapshot, t: Thresholds) -> str | None:
             f"but {now:.1f} waiting now: the backlog has been served, so no replica for it")
 
 
-def _change(now: float, s: MetricsSnapshot, proposal, evidence: str, verifies=None, verified=None,
-            t: Thresholds = DEFAULT_THRESHOLDS, planned: int | None = None) -> Decision:
+def _change(now: float, s: MetricsSnapshot, t: Thresholds, proposal, evidence: str, verifies=None, verified=None,
+            planned: int | None = None) -> Decision:
     """The Decision applying a proposal; a settings change keeps output tokens/s to be judged by."""
     change, target, extra, diagnosis = proposal
     guarded = target is not None and "replicas" not in change
