@@ -80,6 +80,13 @@ class Objectives(Model):
                     "pressure (a reason to widen the batch or add a replica) only while its queue-time "
                     "p95 is at least half of it, and a replica is given back while bursts still queue "
                     "if that p95 grown with the load stays under half of it; unset, any queue is pressure.")
+    attainment: Optional[float] = Field(
+        default=None, gt=0.0, le=1.0,
+        description="The share of requests that must meet the objectives (e.g. 0.95). Unset, the "
+                    "autotuner adds a replica only where it can raise good requests per GPU-hour: "
+                    "at R replicas, k more only while more than k/(R+k) of the requests miss the "
+                    "objectives. Set, it also adds them while fewer than this share meet them, "
+                    "paying GPUs for attainment.")
 
 
 class AutotuneSpec(Model):

@@ -67,6 +67,18 @@ class Bounds:
     def of(self, setting: str) -> Range:
         return getattr(self, setting)
 
+    def clamp_settings(self, cur: Settings) -> dict[str, tuple[int, int]]:
+        """setting -> (value, clamped) for each tuned setting outside its range (replicas
+        not while an HPA owns them; speculation only where configured)."""
+        out = {}
+        for k in ("max_num_seqs", "max_model_len", "replicas", "num_speculative_tokens", "max_num_batched_tokens"):
+            if k == "replicas" and cur.hpa_owns_scale:
+                continue
+            v, r = getattr(cur, k), self.of(k)
+            if v is not None and r is not None and r.clamp(v) != v:
+                out[k] = (v, r.clamp(v))
+        return out
+
 
 @dataclass(frozen=True)
 class Thresholds:
@@ -90,6 +102,11 @@ class Thresholds:
     # no replica shortens, is left out). A scale-in keeps that p95, grown with the load each
     # replica left carries, under ttft_scale_in_ratio x it.
     ttft_objective_s: float | None = None
+    # The share of requests the user wants within the objectives (objectives.attainment). A
+    # scale-out goes ahead when it can raise good requests per GPU-hour (payoff.py) or while
+    # fewer than this share meet the objectives; None: only when it can pay for itself.
+    attainment: float | None = None
+    payoff_min_requests: int = 50
     ttft_enter_ratio: float = 0.5
     ttft_exit_ratio: float = 0.35
     ttft_scale_in_ratio: float = 0.5

@@ -113,6 +113,7 @@ def thresholds_for(spec: LLMDeploymentSpec) -> Thresholds:
     return Thresholds(cooldown_s=parse_duration(spec.autotune.cooldown),
                       tpot_objective_s=parse_duration(tpot) if tpot else None,
                       ttft_objective_s=parse_duration(ttft) if ttft else None,
+                      attainment=spec.autotune.objectives.attainment,
                       planner=spec.autotune.controller == "Model",
                       season_s=parse_duration(season) if season else None)
 

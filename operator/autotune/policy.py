@@ -18,7 +18,8 @@ Order of business each interval:
    hardware). With Thresholds.planner (autotune.controller Model) a fitted model of the
    deployment (planner.py, planned.py) sizes replicas and max_num_seqs for TPOT, scheduler, hardware
    and healthy intervals instead of the fixed-ratio steps;
-8. when that rule changes nothing, speculation that would earn more is turned up a step.
+8. when that rule changes nothing, speculation that would earn more is turned up a step;
+9. a scale-out for what the window shows adds only the replicas that can pay (payoff.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .decision import DEFAULT_THRESHOLDS, Action, Bounds, Decision, Diagnosis, S
 from .forecast import ahead_of_load, holds_capacity
 from .history import History
 from .memory import PRESSURE, QUEUE_BOUND, blocked_move, broken_width, cap_in_window
+from .payoff import replicas_that_pay
 from .planned import PLANNED, plan_from_history, planned_change, scale_out_in_cooldown
 from .scale_in import scale_in_when_calm, scale_in_when_idle
 from .signals import MetricsSnapshot
@@ -53,7 +55,7 @@ def decide(
 ) -> Decision:
     """The decision for this interval. `capacity` (from plan_capacity at the observed p99
     length) lets a preemption step go straight toward the number of sequences that fit."""
-    clamp = _clamp_to_bounds(current, bounds)
+    clamp = bounds.clamp_settings(current)
     no_data = snapshot.no_data_reason()
     if clamp:
         reason = "outside the spec's bounds: " + ", ".join(
@@ -77,7 +79,8 @@ def decide(
         if urgent is not None:  # judging a setting never keeps capacity from a building queue
             return _change(now, snapshot, thresholds, urgent, f"{evidence}; {verdict.wait}, but requests queue")
         if ahead is not None:
-            return _change(now, snapshot, thresholds, ahead[:3] + (diagnosis,), f"{evidence}; {verdict.wait}")
+            return _change(now, snapshot, thresholds, ahead[:3] + (diagnosis,), f"{evidence}; {verdict.wait}",
+                           forecast=True)
         if beside is not None:
             return _change(now, snapshot, thresholds, beside,
                            f"{evidence}; {verdict.wait}, but a scale-out is never reverted")
@@ -100,7 +103,8 @@ def decide(
     if unconfirmed:
         return hold(f"{evidence}; waiting for the pods to report " + ", ".join(unconfirmed))
     if ahead is not None:
-        return _change(now, snapshot, thresholds, ahead[:3] + (diagnosis,), evidence, verifies, verified)
+        return _change(now, snapshot, thresholds, ahead[:3] + (diagnosis,), evidence, verifies, verified,
+                       forecast=True)
     model_plan, model_note = plan_from_history(snapshot, current, bounds, history, now, thresholds)
     if model_note and diagnosis in PLANNED:
         evidence = f"{evidence}; {model_note}"
@@ -350,9 +354,17 @@ def backlog_served(s: MetricsSnapshot, t: Thresholds) -> str | None:
 
 
 def _change(now: float, s: MetricsSnapshot, t: Thresholds, proposal, evidence: str, verifies=None, verified=None,
-            planned: int | None = None) -> Decision:
-    """The Decision applying a proposal; a settings change keeps output tokens/s to be judged by."""
+            planned: int | None = None, forecast: bool = False) -> Decision:
+    """The Decision applying a proposal; a settings change keeps output tokens/s to be judged by.
+    A scale-out for what the window shows adds only the replicas that can pay (payoff.py); one
+    a forecast asks for is judged by the load to come, not this window's."""
     change, target, extra, diagnosis = proposal
+    old, new = change.get("replicas", (0, 0))
+    if new > old and not forecast and (cut := replicas_that_pay(s, t, old, new))[1]:
+        if cut[0] == old:
+            return Decision(now, diagnosis, Action.HOLD, f"{evidence}; {extra}, but {cut[1]}",
+                            verifies=verifies, verified=verified, planned_replicas=planned)
+        change, extra = {**change, "replicas": (old, cut[0])}, f"{extra}, but {cut[1]}"
     guarded = target is not None and "replicas" not in change
     return Decision(now, diagnosis, Action.CHANGE, f"{evidence}; {extra}", change=change, target=target,
                     baseline=signal(s, target) if target else None, verifies=verifies, verified=verified,
@@ -381,18 +393,3 @@ def _scale_out(cur: Settings, bounds: Bounds, history: History, s: MetricsSnapsh
     return ({"replicas": (cur.replicas, cur.replicas + 1)}, target,
             f"{prefix}add a replica {cur.replicas} -> {cur.replicas + 1}", diagnosis)
 
-
-# --- helpers ----------------------------------------------------------------------------
-
-def _clamp_to_bounds(cur: Settings, bounds: Bounds) -> dict:
-    out = {}
-    for k in ("max_num_seqs", "max_model_len", "replicas", "num_speculative_tokens", "max_num_batched_tokens"):
-        if k == "replicas" and cur.hpa_owns_scale:
-            continue
-        v, r = getattr(cur, k), bounds.of(k)
-        if v is None or r is None:  # no speculation configured
-            continue
-        c = r.clamp(v)
-        if c != v:
-            out[k] = (v, c)
-    return out

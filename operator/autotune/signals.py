@@ -18,7 +18,8 @@ REQUIRED_SIGNALS = (
     "request_rate_per_s",
 )
 # Signals some rules use when present; their absence disables only those rules.
-OPTIONAL_SIGNALS = ("ttft_p95_s", "tpot_p95_s", "generation_tokens_per_s", "running_min",
+OPTIONAL_SIGNALS = ("ttft_p95_s", "tpot_p95_s", "ttft_p50_s", "ttft_p75_s", "ttft_p90_s", "tpot_p50_s",
+                    "tpot_p75_s", "tpot_p90_s", "aborted_per_s", "generation_tokens_per_s", "running_min",
                     "request_latency_mean_s",
                     "request_len_p99", "prefix_hit_rate", "length_refusals_per_s",
                     "kv_cache_bytes", "kv_bytes_per_token", "kv_cache_element_bytes", "weight_bytes",
@@ -62,6 +63,15 @@ class MetricsSnapshot:
     # p95 over requests of each one's mean time per output token: the requests a TPOT objective
     # covers, so all but OpenAI's "flex" tier where the pods export TPOT by tier (kvpilot's do).
     tpot_p95_s: float | None = None
+    # Lower quantiles of the same two histograms (TPOT over every tier): the share of
+    # requests over each objective, so whether a replica can pay for itself (payoff.py).
+    ttft_p50_s: float | None = None
+    ttft_p75_s: float | None = None
+    ttft_p90_s: float | None = None
+    tpot_p50_s: float | None = None
+    tpot_p75_s: float | None = None
+    tpot_p90_s: float | None = None
+    aborted_per_s: float | None = None  # requests aborted (a client gave up) per second
     # The share of the window's finished requests (with 2+ output tokens) sent as "flex";
     # None where the pods do not label TPOT by tier, or none finished.
     flex_share: float | None = None

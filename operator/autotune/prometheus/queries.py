@@ -14,6 +14,9 @@ config's relabelling) and aggregates over the pods:
   p95 is read over the tiers other than "flex": batch traffic sent as flex asks for no
   latency, so it must not hold the batch narrow. The flex share of finished requests
   comes from the same histogram's counts;
+- TTFT and TPOT p50, p75 and p90 (TPOT over every tier) and the rate of aborted requests
+  (vllm:request_success_total{finished_reason="abort"}): the share of requests missing the
+  objectives, which says whether a replica can pay for itself (payoff.py);
 - output tokens/s: sum of rate(vllm:generation_tokens_total) (the throughput guard);
 - running at the emptiest moment: each pod's min_over_time of vllm:num_requests_running,
   summed over pods; 0 says load began or paused within the window;
@@ -67,6 +70,10 @@ SOURCES = {
     "queue_time_p95_s": "vllm:request_queue_time_seconds_bucket",
     "ttft_p95_s": "vllm:time_to_first_token_seconds_bucket",
     "tpot_p95_s": "vllm:request_time_per_output_token_seconds_bucket",
+    **{f"{k}_p{q}_s": f"{h}_bucket" for k, h in (("ttft", "vllm:time_to_first_token_seconds"),
+                                                 ("tpot", "vllm:request_time_per_output_token_seconds"))
+       for q in (50, 75, 90)},
+    "aborted_per_s": "vllm:request_success_total",
     "generation_tokens_per_s": "vllm:generation_tokens_total",
     "running_min": "vllm:num_requests_running",
     "num_waiting": "vllm:num_requests_waiting",
@@ -179,6 +186,9 @@ def build_queries(target: Target | FleetTarget, window_s: float,
         "queue_time_p95_s": quantile(0.95, "vllm:request_queue_time_seconds"),
         "ttft_p95_s": quantile(0.95, "vllm:time_to_first_token_seconds"),
         "tpot_p95_s": quantile(0.95, "vllm:request_time_per_output_token_seconds"),
+        **{f"ttft_p{q}_s": quantile(q / 100, "vllm:time_to_first_token_seconds") for q in (50, 75, 90)},
+        **{f"tpot_p{q}_s": quantile(q / 100, "vllm:request_time_per_output_token_seconds") for q in (50, 75, 90)},
+        "aborted_per_s": f'{sum_}(rate(vllm:request_success_total{{{sel},finished_reason="abort"}}[{w}]))',
         "generation_tokens_per_s": rate("vllm:generation_tokens_total"),
         "running_min": f"{sum_}(min_over_time(vllm:num_requests_running{{{sel}}}[{w}]))",
         "num_waiting": f"{sum_}(avg_over_time(vllm:num_requests_waiting{{{sel}}}[{w}]))",

@@ -19,6 +19,17 @@ def _range(text: str, name: str) -> tuple[int, int]:
     return a, b
 
 
+def _share(text: str) -> float:
+    """--attainment: a share in (0, 1], as spec.autotune.objectives.attainment takes it."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a share in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"takes a share in (0, 1], got {text!r}")
+    return value
+
+
 def _cmd(args: argparse.Namespace) -> int:
     from kvpilot.engine.bench.serve_stats import parse_goodput
     from kvpilot.engine.config.args import engine_config_from_args
@@ -39,7 +50,8 @@ def _cmd(args: argparse.Namespace) -> int:
                               _range(args.replicas_bounds, "replicas_bounds"))
     thresholds = Thresholds(cooldown_s=parse_duration(args.cooldown),
                             tpot_objective_s=parse_duration(args.tpot_objective) if args.tpot_objective else None,
-                            ttft_objective_s=parse_duration(args.ttft_objective) if args.ttft_objective else None)
+                            ttft_objective_s=parse_duration(args.ttft_objective) if args.ttft_objective else None,
+                            attainment=args.attainment)
     tune = AutotuneSettings(mode=args.mode, interval_s=parse_duration(args.interval),
                             window_s=parse_duration(args.window),
                             bounds=Bounds(Range(*seqs), Range(*length), Range(*replicas)),
@@ -100,6 +112,8 @@ def add_parser(subparsers) -> None:
     a.add_argument("--cooldown", default=f"{COOLDOWN_S:g}s", help="as the contest's")
     a.add_argument("--tpot-objective", default=None, help="e.g. 50ms (spec.autotune.objectives.tpot)")
     a.add_argument("--ttft-objective", default=None, help="e.g. 2s (spec.autotune.objectives.ttft)")
+    a.add_argument("--attainment", type=_share, default=None, metavar="SHARE",
+                   help="e.g. 0.95 (spec.autotune.objectives.attainment)")
     a.add_argument("--max-num-seqs-bounds", default="1:1024", metavar="MIN:MAX")
     a.add_argument("--max-model-len-bounds", default="128:32768", metavar="MIN:MAX")
     a.add_argument("--replicas-bounds", default="1:1", metavar="MIN:MAX", help="spec.autoscaling min:max")

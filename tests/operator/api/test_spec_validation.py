@@ -91,6 +91,9 @@ HOSTILE = {
     "secret name not a name": body(engine={"apiKeySecretRef": {"name": "Key!", "key": "k"}}),
     "prometheus url expands": body(autotune={"prometheus": {"url": "http://p/$(KVPILOT_API_KEY)"}}),
     "runAsUser root": body(pod={"securityContext": {"runAsUser": 0}}),
+    "attainment 0": body(autotune={"objectives": {"attainment": 0}}),
+    "attainment above 1": body(autotune={"objectives": {"attainment": 1.01}}),
+    "attainment as a percentage": body(autotune={"objectives": {"attainment": "95%"}}),
 }
 
 VALID = {
@@ -120,6 +123,8 @@ VALID = {
     "gpu resource": body(resources={"gpus": 1, "gpuResourceName": "amd.com/gpu"}),
     "cache size": body(model={"source": "s3://bucket/x", "cache": {"sizeLimit": "40Gi"}}),
     "long duration": body(autotune={"interval": "1h30m", "window": "500ms"}),
+    "objectives with an attainment": body(autotune={"objectives": {"ttft": "2s", "tpot": "50ms", "attainment": 0.95}}),
+    "attainment 1": body(autotune={"objectives": {"attainment": 1}}),
 }
 
 

@@ -79,6 +79,10 @@ def test_queries_use_the_exact_vllm_metric_names_and_the_selector():
     assert q["request_rate_per_s"] == f"sum(rate(vllm:e2e_request_latency_seconds_count{{{SEL}}}[300s]))"
     assert q["tpot_p95_s"] == (f"histogram_quantile(0.95, sum by (le) "
                                f"(rate(vllm:request_time_per_output_token_seconds_bucket{{{SEL}}}[300s])))")
+    for q_name, level in (("p50", "0.5"), ("p75", "0.75"), ("p90", "0.9")):  # the payoff rule's quantiles
+        assert q[f"ttft_{q_name}_s"] == q["ttft_p95_s"].replace("0.95", level)
+        assert q[f"tpot_{q_name}_s"] == q["tpot_p95_s"].replace("0.95", level)
+    assert q["aborted_per_s"] == f'sum(rate(vllm:request_success_total{{{SEL},finished_reason="abort"}}[300s]))'
     assert q["generation_tokens_per_s"] == f"sum(rate(vllm:generation_tokens_total{{{SEL}}}[300s]))"
     assert q["request_latency_mean_s"] == (f"sum(rate(vllm:e2e_request_latency_seconds_sum{{{SEL}}}[300s])) / "
                                            f"sum(rate(vllm:e2e_request_latency_seconds_count{{{SEL}}}[300s]))")

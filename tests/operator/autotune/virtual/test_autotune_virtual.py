@@ -92,6 +92,24 @@ def test_the_virtual_snapshot_reads_what_the_fleet_did():
     assert snap.request_rate_per_s == pytest.approx(truth_rate, rel=0.3)
     assert snap.kv_cache_bytes and snap.kv_bytes_per_token == 131072
     assert {p.max_num_seqs for p in snap.pods} == {64}
+    ttft = [snap.ttft_p50_s, snap.ttft_p75_s, snap.ttft_p90_s, snap.ttft_p95_s]
+    tpot = [snap.tpot_p50_s, snap.tpot_p75_s, snap.tpot_p90_s, snap.tpot_p95_s]
+    assert None not in ttft + tpot and ttft == sorted(ttft) and tpot == sorted(tpot)
+    assert not snap.aborted_per_s  # no client gave up
+
+
+def test_requests_whose_clients_give_up_read_as_aborted():
+    # Three times what one replica serves, clients that wait 5 s for a first token.
+    trace = list(generate([Phase(duration=120, rate=30, input="uniform:2000:4000", output="uniform:100:300")],
+                          seed=2, max_len=8192))
+    fleet = _fleet(8, client_timeout=5.0)
+    prom = VirtualPrometheus()
+    fleet.on_scrape = prom.ingest
+    fleet.run(trace)
+    from kvpilot.operator.autotune.prometheus.reader import PrometheusReader
+    snap = PrometheusReader(prom, scrape_interval_s=5).snapshot("sim", "sim", 60, at=fleet.now)
+    aborted = [r for r in fleet.requests if r.finish_reason == "abort" and r.finished > fleet.now - 60]
+    assert aborted and snap.aborted_per_s == pytest.approx(len(aborted) / 60, rel=0.3)
 
 
 def test_flex_requests_leave_the_tpot_objective_to_the_others():

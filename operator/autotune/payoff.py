@@ -1,0 +1,86 @@
+"""Does a scale-out pay for itself? Good requests per GPU-hour is what the autotuner is judged
+by, and a replica can only raise it by bringing requests that now miss the objectives within
+them.
+
+With R replicas serving G good requests/s and M missing the objectives, k more replicas give
+at most (G + M) / (R + k) good requests/s per replica against G / R now: they can pay only while
+M / G > k / R, that is while the miss share m = M / (G + M) exceeds k / (R + k). So at one
+replica a second pays only when more than half of the requests miss; at four, a fifth when
+more than a fifth do. A scale-out is cut to the replicas that can pay, or held, unless the
+user's `objectives.attainment` asks for them (its share of requests within the objectives is
+bought with GPUs).
+
+The miss share is read from what the pods export, not from the simulator's timing model:
+- the share over each objective, from the TTFT and TPOT histograms' p50, p75, p90 and p95
+  (linear between them, as histogram_quantile interpolates within a bucket; above p95 it
+  counts as 5 %). A request missing both is counted twice: the share is an upper bound,
+  which errs toward adding the replica;
+- requests aborted (a client that gave up), which record no first token;
+- requests waiting now further back than the finish rate serves within the TTFT objective:
+  they will miss it, and no histogram holds them yet.
+No objective, an objective whose quantiles are not read, or fewer than `payoff_min_requests`
+finished in the window: no guard (the rules add the replica)."""
+
+from __future__ import annotations
+
+import math
+
+from .decision import Thresholds
+from .signals import MetricsSnapshot
+
+QUANTILES = (50, 75, 90, 95)
+
+
+def over_objective(s: MetricsSnapshot, kind: str, objective: float | None) -> float | None:
+    """The share of finished requests whose `kind` ("ttft" or "tpot") exceeds `objective`,
+    from the quantiles in the snapshot (None: no objective, or a quantile unread)."""
+    if objective is None:
+        return None
+    points = [(0.0, 0.0)]  # (quantile, seconds), from a zero latency at q = 0
+    for q in QUANTILES:
+        v = getattr(s, f"{kind}_p{q}_s")
+        if v is None:
+            return None
+        points.append((q / 100, max(v, points[-1][1])))  # monotone, whatever the rounding
+    for (q0, v0), (q1, v1) in zip(points, points[1:]):
+        if objective < v1:
+            within = q0 + (q1 - q0) * (objective - v0) / (v1 - v0)
+            return 1.0 - within
+    return 1.0 - QUANTILES[-1] / 100
+
+
+def miss_share(s: MetricsSnapshot, t: Thresholds) -> float | None:
+    """The share of the window's requests that missed (or will miss) the objectives: an upper
+    bound (module docstring); None where it cannot be read or too few requests finished."""
+    finished = (s.request_rate_per_s or 0.0) * s.window_s
+    if finished < t.payoff_min_requests:
+        return None
+    ttft = over_objective(s, "ttft", t.ttft_objective_s)
+    tpot = over_objective(s, "tpot", t.tpot_objective_s)
+    if (ttft is None) != (t.ttft_objective_s is None) or (tpot is None) != (t.tpot_objective_s is None):
+        return None  # an objective without its quantiles: the share would count too few
+    if ttft is None and tpot is None:
+        return None
+    aborted = min(1.0, (s.aborted_per_s or 0.0) / s.request_rate_per_s)
+    missed = min(1.0, (ttft or 0.0) + (tpot or 0.0) + aborted) * finished
+    late = 0.0
+    if t.ttft_objective_s is not None and s.num_waiting_now is not None:
+        late = max(0.0, s.num_waiting_now - s.request_rate_per_s * t.ttft_objective_s)
+    return (missed + late) / (finished + late)
+
+
+def replicas_that_pay(s: MetricsSnapshot, t: Thresholds, old: int, new: int) -> tuple[int, str | None]:
+    """(replicas to go to, why fewer than `new`) for a scale-out old -> new: `new` (and None)
+    when the added replicas can pay, or the user's attainment asks for them, or the miss
+    share cannot be read; otherwise the most that can pay (old: none)."""
+    m = miss_share(s, t)
+    if m is None or m >= 1.0 or (t.attainment is not None and m > 1.0 - t.attainment):
+        return new, None
+    bound = m * old / (1.0 - m)  # k more pay only while k < m R / (1 - m)
+    k = max(0, min(new - old, math.ceil(bound) - 1))
+    if old + k >= new:
+        return new, None
+    asked = (f" and the {t.attainment:.0%} attainment asked for is met" if t.attainment is not None else "")
+    return old + k, (f"about {m:.0%} of the window's requests miss the objectives{asked}: with {old} "
+                     f"replica(s), {new - old} more can raise good requests per GPU-hour only if more "
+                     f"than {(new - old) / new:.0%} miss, so {'none' if k == 0 else k} added")
