@@ -38,6 +38,7 @@ class Contender:
     replicas: int = 1
     label: str = ""
     max_num_batched_tokens: int | None = None  # None: the scenario's
+    attainment: float | None = None  # Auto's objectives.attainment (kind auto-attainment)
 
     @property
     def name(self) -> str:
@@ -48,7 +49,7 @@ class Contender:
 
 
 def auto_settings(scen: Scenario, max_replicas: int, planner: bool = True,
-                  control_scale: float = 1.0) -> AutotuneSettings:
+                  control_scale: float = 1.0, attainment: float | None = None) -> AutotuneSettings:
     """What the contest's LLMDeployment would say: Auto, the phase's TPOT objective, the
     engine's bounds, and the same replica range the autoscalers get. `control_scale`
     shortens the interval, window, cooldown and pod start-up together (a compressed day)."""
@@ -60,7 +61,8 @@ def auto_settings(scen: Scenario, max_replicas: int, planner: bool = True,
         bounds=Bounds(Range(1, 1024), Range(1024, 32768), Range(1, max_replicas)),
         # The traffic's period, where the scenario says it repeats (a user's autotune.season):
         # the forecast's lead is a pod's start-up and an interval.
-        thresholds=Thresholds(tpot_objective_s=tpot, ttft_objective_s=ttft, cooldown_s=COOLDOWN_S * f, planner=planner,
+        thresholds=Thresholds(tpot_objective_s=tpot, ttft_objective_s=ttft, attainment=attainment,
+                              cooldown_s=COOLDOWN_S * f, planner=planner,
                               season_s=scen.season_s, forecast_lead_s=(REPLICA_STARTUP_S + INTERVAL_S) * f,
                               forecast_settle_s=Thresholds.forecast_settle_s * f),
         replica_startup_s=REPLICA_STARTUP_S * f)
@@ -85,8 +87,9 @@ def run_contender(scen: Scenario, c: Contender, max_replicas: int | None = None,
                   replicas=c.replicas, scrape_interval=SCRAPE_S * f, keep_scrapes=False,
                   client_timeout=scen.client_timeout_s)
     controller = None
-    if c.kind in ("auto", "auto-rules"):
-        controller = AutoController(auto_settings(scen, max_replicas, planner=c.kind == "auto", control_scale=f))
+    if c.kind in ("auto", "auto-rules", "auto-attainment"):
+        controller = AutoController(auto_settings(scen, max_replicas, planner=c.kind != "auto-rules", control_scale=f,
+                                                  attainment=c.attainment))
     elif c.kind in RIVALS:
         behavior = rivals.HpaBehavior(sync_s=15.0 * f, scale_down_stabilization_s=300.0 * f)
         controller = RIVALS[c.kind](max_replicas=max_replicas, startup_s=REPLICA_STARTUP_S * f,
@@ -96,8 +99,8 @@ def run_contender(scen: Scenario, c: Contender, max_replicas: int | None = None,
         controller = DynamoPlanner(scen.accelerator, scen.model, tpot, max_replicas=max_replicas,
                                    startup_s=REPLICA_STARTUP_S * f, interval_s=60.0 * f)
     elif c.kind != "static":
-        raise ValueError(f"contender kind must be static, auto, auto-rules, dynamo or one of {sorted(RIVALS)}, "
-                         f"got {c.kind!r}")
+        raise ValueError(f"contender kind must be static, auto, auto-rules, auto-attainment, dynamo or one of "
+                         f"{sorted(RIVALS)}, got {c.kind!r}")
     trace = scen.trace()
     drive(fleet, trace, controller, interval_s=30.0)
     out = {"name": c.name, "kind": c.kind, "settings": [c.max_num_seqs, c.max_model_len, c.replicas,

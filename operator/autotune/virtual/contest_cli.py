@@ -165,6 +165,11 @@ def _cmd(args: argparse.Namespace) -> int:
     if args.rules_only:
         contenders.append(Contender("auto-rules", scen.max_num_seqs, scen.max_model_len, scen.replicas,
                                     label="kvpilot Auto (rules only)"))
+    if args.attainment is not None:
+        if not 0 < args.attainment <= 1:
+            raise ValueError(f"attainment must be a share in (0, 1], got {args.attainment}")
+        contenders.append(Contender("auto-attainment", scen.max_num_seqs, scen.max_model_len, scen.replicas,
+                                    label=f"kvpilot Auto (attainment {args.attainment:g})", attainment=args.attainment))
     grid = []
     if args.sweep:
         grid = sweep_grid(scen, _ints(args.sweep_seqs, "sweep_seqs"), _ints(args.sweep_lens, "sweep_lens"),
@@ -282,6 +287,9 @@ def add_parser(sub) -> None:
     p.add_argument("--sweep-mbt", default="2048,8192", help="max_num_batched_tokens values of the sweep")
     p.add_argument("--sweep-lens", default="32768")
     p.add_argument("--rules-only", action="store_true", help="also run Auto without the deployment model")
+    p.add_argument("--attainment", type=float, default=None, metavar="SHARE",
+                   help="also run Auto with spec.autotune.objectives.attainment SHARE (e.g. 0.95): replicas "
+                        "bought for attainment past what pays for itself, beside Auto's default")
     p.add_argument("--contenders", default=None, metavar="KINDS",
                    help="run only these of the headline contenders, e.g. auto,dynamo; static: the defaults "
                         "(with --sweep, only the grid beside them) (default: all)")

@@ -331,7 +331,8 @@ def test_contest_command_names_the_bad_flag(capsys):
 
     for argv, word in ((["--scenario", "nope"], "scenario"), (["--time-scale", "0"], "time_factor"),
                        (["--sweep", "--sweep-seqs", "12x"], "sweep_seqs"), (["--workers", "0"], "workers"),
-                       (["--time-scale", "2", "--scale-controls"], "--scale-controls")):
+                       (["--time-scale", "2", "--scale-controls"], "--scale-controls"),
+                       (["--attainment", "1.5"], "attainment"), (["--attainment", "0"], "attainment")):
         assert main(["autotune", "contest", *argv]) == 2, argv
         assert word in capsys.readouterr().err
     with pytest.raises(SystemExit) as refused:  # argparse's own choices there

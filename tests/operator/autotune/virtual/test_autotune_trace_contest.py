@@ -4,6 +4,7 @@ pruning, the Dynamo-style contender, and the command end to end on a fixture."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -93,6 +94,19 @@ def test_contest_command_on_a_trace_file(tmp_path, capsys):
     assert "rate scaled x2" in out and "clients give up after 30 s" in out
     assert "Dynamo-style SLA planner" in out and "judged on the rest" in out and "SIMULATED" in out
     assert (tmp_path / "contest-mooncake-x2.json").exists()
+
+
+def test_the_attainment_contender_is_auto_buying_that_share(tmp_path, capsys):
+    from kvpilot.engine.cli import main
+    from kvpilot.operator.autotune.virtual.contest import auto_settings
+
+    assert auto_settings(_scen(), 4, attainment=0.95).thresholds.attainment == 0.95
+    assert auto_settings(_scen(), 4).thresholds.attainment is None  # Auto's default: what pays
+    rc = main(["autotune", "contest", "--trace", str(FIX / "mooncake.jsonl"), "--trace-format", "mooncake",
+               "--contenders", "auto", "--attainment", "0.95", "--workers", "1", "--no-plots", "--out", str(tmp_path)])
+    assert rc == 0 and "kvpilot Auto (attainment 0.95)" in capsys.readouterr().out
+    data = json.loads((tmp_path / "contest-mooncake.json").read_text())
+    assert [r["kind"] for r in data["results"]] == ["auto", "auto-attainment"]
 
 
 def test_bench_table_merges_a_rerun_and_prints_before_and_now(tmp_path, capsys):
