@@ -13,8 +13,9 @@ bought with GPUs).
 The miss share is read from what the pods export, not from the simulator's timing model:
 - the share over each objective, from the TTFT and TPOT histograms' p50, p75, p90 and p95
   (linear between them, as histogram_quantile interpolates within a bucket; above p95 it
-  counts as 5 %). A request missing both is counted twice: the share is an upper bound,
-  which errs toward adding the replica;
+  counts as 5 %). A request missing both is counted twice, and the lower TPOT quantiles
+  include flex requests (p95 leaves them out where the pods label tiers): the share is an
+  upper bound, which errs toward adding the replica;
 - requests aborted (a client that gave up), which record no first token;
 - requests waiting now further back than the finish rate serves within the TTFT objective:
   they will miss it, and no histogram holds them yet.
