@@ -27,9 +27,9 @@ from __future__ import annotations
 import math
 
 from .decision import Thresholds
-from .signals import MetricsSnapshot
+from .signals import LOWER_QUANTILES, MetricsSnapshot
 
-QUANTILES = (50, 75, 90, 95)
+QUANTILES = (*LOWER_QUANTILES, 95)
 
 
 def over_objective(s: MetricsSnapshot, kind: str, objective: float | None) -> float | None:

@@ -360,11 +360,12 @@ def _change(now: float, s: MetricsSnapshot, t: Thresholds, proposal, evidence: s
     a forecast asks for is judged by the load to come, not this window's."""
     change, target, extra, diagnosis = proposal
     old, new = change.get("replicas", (0, 0))
-    if new > old and not forecast and (cut := replicas_that_pay(s, t, old, new))[1]:
-        if cut[0] == old:
-            return Decision(now, diagnosis, Action.HOLD, f"{evidence}; {extra}, but {cut[1]}",
-                            verifies=verifies, verified=verified, planned_replicas=planned)
-        change, extra = {**change, "replicas": (old, cut[0])}, f"{extra}, but {cut[1]}"
+    allowed, why = replicas_that_pay(s, t, old, new) if new > old and not forecast else (new, None)
+    if why and allowed == old:
+        return Decision(now, diagnosis, Action.HOLD, f"{evidence}; {extra}, but {why}",
+                        verifies=verifies, verified=verified, planned_replicas=planned)
+    if why:
+        change, extra = {**change, "replicas": (old, allowed)}, f"{extra}, but {why}"
     guarded = target is not None and "replicas" not in change
     return Decision(now, diagnosis, Action.CHANGE, f"{evidence}; {extra}", change=change, target=target,
                     baseline=signal(s, target) if target else None, verifies=verifies, verified=verified,

@@ -17,6 +17,9 @@ REQUIRED_SIGNALS = (
     "num_running",
     "request_rate_per_s",
 )
+# The TTFT and TPOT quantiles read beside p95 (ttft_p50_s ... tpot_p90_s): whether a replica
+# can pay for itself (payoff.py).
+LOWER_QUANTILES = (50, 75, 90)
 # Signals some rules use when present; their absence disables only those rules.
 OPTIONAL_SIGNALS = ("ttft_p95_s", "tpot_p95_s", "ttft_p50_s", "ttft_p75_s", "ttft_p90_s", "tpot_p50_s",
                     "tpot_p75_s", "tpot_p90_s", "aborted_per_s", "generation_tokens_per_s", "running_min",

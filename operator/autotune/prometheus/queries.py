@@ -61,6 +61,8 @@ from dataclasses import dataclass
 
 from kvpilot.engine.metrics.buckets import FLEX_TIER, TIER_TPOT_METRIC  # the metric contract
 
+from ..signals import LOWER_QUANTILES
+
 
 # MetricsSnapshot field -> the raw metric it is computed from (checked for absence and staleness).
 SOURCES = {
@@ -72,7 +74,7 @@ SOURCES = {
     "tpot_p95_s": "vllm:request_time_per_output_token_seconds_bucket",
     **{f"{k}_p{q}_s": f"{h}_bucket" for k, h in (("ttft", "vllm:time_to_first_token_seconds"),
                                                  ("tpot", "vllm:request_time_per_output_token_seconds"))
-       for q in (50, 75, 90)},
+       for q in LOWER_QUANTILES},
     "aborted_per_s": "vllm:request_success_total",
     "generation_tokens_per_s": "vllm:generation_tokens_total",
     "running_min": "vllm:num_requests_running",
@@ -186,8 +188,8 @@ def build_queries(target: Target | FleetTarget, window_s: float,
         "queue_time_p95_s": quantile(0.95, "vllm:request_queue_time_seconds"),
         "ttft_p95_s": quantile(0.95, "vllm:time_to_first_token_seconds"),
         "tpot_p95_s": quantile(0.95, "vllm:request_time_per_output_token_seconds"),
-        **{f"ttft_p{q}_s": quantile(q / 100, "vllm:time_to_first_token_seconds") for q in (50, 75, 90)},
-        **{f"tpot_p{q}_s": quantile(q / 100, "vllm:request_time_per_output_token_seconds") for q in (50, 75, 90)},
+        **{f"ttft_p{q}_s": quantile(q / 100, "vllm:time_to_first_token_seconds") for q in LOWER_QUANTILES},
+        **{f"tpot_p{q}_s": quantile(q / 100, "vllm:request_time_per_output_token_seconds") for q in LOWER_QUANTILES},
         "aborted_per_s": f'{sum_}(rate(vllm:request_success_total{{{sel},finished_reason="abort"}}[{w}]))',
         "generation_tokens_per_s": rate("vllm:generation_tokens_total"),
         "running_min": f"{sum_}(min_over_time(vllm:num_requests_running{{{sel}}}[{w}]))",
