@@ -100,7 +100,7 @@ def test_the_virtual_snapshot_reads_what_the_fleet_did():
 
 def test_requests_whose_clients_give_up_read_as_aborted():
     # Three times what one replica serves, clients that wait 5 s for a first token.
-    trace = list(generate([Phase(duration=120, rate=30, input="uniform:2000:4000", output="uniform:100:300")],
+    trace = list(generate([Phase(duration=70, rate=30, input="uniform:2000:4000", output="uniform:100:300")],
                           seed=2, max_len=8192))
     fleet = _fleet(8, client_timeout=5.0)
     prom = VirtualPrometheus()
