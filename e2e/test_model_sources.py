@@ -229,9 +229,11 @@ def test_source_failures_are_degraded_with_the_cause(cluster, operator, hub, s3,
         print(f"\n[{name}] Degraded {reason} {time.monotonic() - t0:.1f}s after apply: {message}")
         assert words in message and "Traceback" not in message
         assert condition(obj, "ModelReady")["reason"] == reason and obj["status"]["model"]["progress"] == "Failed"
-        events = yaml.safe_load(cluster.kubectl("get", "events", "-n", ns, "-o", "yaml",
-                                                f"--field-selector=involvedObject.name={name}").stdout)["items"]
-        assert any(e["reason"] == reason and e["type"] == "Warning" for e in events), [e["reason"] for e in events]
+        def warned(name=name, reason=reason):  # the Event is posted after the status patch, not with it
+            events = yaml.safe_load(cluster.kubectl("get", "events", "-n", ns, "-o", "yaml",
+                                                    f"--field-selector=involvedObject.name={name}").stdout)["items"]
+            return [e for e in events if e["reason"] == reason and e["type"] == "Warning"] or None
+        assert wait_for(warned, timeout=30, interval=1, what=f"{name}: a Warning Event {reason}")
     # Resolved by the operator: no pod was ever made for the two hf:// failures.
     for name in ("bad-token", "bad-revision"):
         assert operator.get(f"/apis/apps/v1/namespaces/{ns}/deployments/{name}", ok404=True) is None
