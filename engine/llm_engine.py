@@ -259,6 +259,24 @@ class LLMEngine:
         self._left_work = self.has_unfinished_requests()
         return outputs
 
+    @property
+    def left_work(self) -> bool:
+        """Whether the last step ended with requests unfinished (the next one follows it)."""
+        return self._left_work
+
+    def emit_decoded(self, token_ids: list[list[int]], last_token_time: float) -> None:
+        """Apply a run of decode-only steps the fleet's fast-forward took (engine/fleet/
+        fast_forward.py; it allocated their slots and timed them): each running request's
+        tokens, aligned with scheduler.running, none ending it, the last at
+        `last_token_time`. The gaps between them are the fast-forward's to record."""
+        self.scheduler.take_freed()  # the simulated executor has no rows to free
+        for req, ids in zip(self.scheduler.running, token_ids):
+            self.scheduler.append_decoded(req, ids)
+            self.outputs.on_decoded(req, ids)
+            req.times.last_token = last_token_time
+            self.generation_tokens_total += len(ids)
+        self._left_work = True
+
     def _fail(self, failed: dict[Request, Exception]) -> list[RequestOutput]:
         """End each failed request's whole group (its other choices too) as aborted, with
         an error saying so; the exception itself stays in the log."""

@@ -69,25 +69,25 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         computed_blocks: list[KVCacheBlock] | None = None,
+        *,
+        num_computed: int | None = None,
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones (plus any
-        prefix-hit blocks, which must not be held by the request yet). None: no room."""
+        prefix-hit blocks, which must not be held by the request yet). None: no room.
+        `num_computed` stands for the request's count of computed tokens: the fleet's
+        fast-forward allocates a run's slots as each step of it would have."""
         bs = self.block_size
         held = request.kv.block_ids
+        if num_computed is None:
+            num_computed = request.num_computed_tokens
+        needed = self.blocks_needed(request, num_new_tokens, computed_blocks, num_computed=num_computed)
+        if needed is None:
+            return None
+        total = num_computed + num_new_tokens
         if computed_blocks:
-            total = request.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
-            needed = -(-total // bs) - len(held) - len(computed_blocks)
-            # Reviving cached blocks takes them out of the free queue too.
-            evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-            if needed > self.pool.num_free_blocks - evictable_hits:
-                return None
+            total += len(computed_blocks) * bs
             self.pool.touch(computed_blocks)
             held.extend(b.block_id for b in computed_blocks)
-        else:
-            total = request.num_computed_tokens + num_new_tokens
-            needed = -(-total // bs) - len(held)
-            if needed > self.pool.num_free_blocks:
-                return None
         new = []
         if needed > 0:  # most decode steps fit in the last block and skip this
             new = self.pool.take(needed)
@@ -97,6 +97,21 @@ class KVCacheManager:
         if self.enable_prefix_caching and cacheable // bs > request.kv.num_hashed_blocks:
             self._cache_full_blocks(request, cacheable)
         return new
+
+    def blocks_needed(self, request: Request, num_new_tokens: int,
+                      computed_blocks: list[KVCacheBlock] | None = None, *,
+                      num_computed: int | None = None) -> int | None:
+        """The new blocks allocate_slots would take (0 or more), or None: no room. Changes nothing."""
+        bs = self.block_size
+        total = (request.num_computed_tokens if num_computed is None else num_computed) + num_new_tokens
+        if computed_blocks:
+            total += len(computed_blocks) * bs
+            needed = -(-total // bs) - len(request.kv.block_ids) - len(computed_blocks)
+            # Reviving cached blocks takes them out of the free queue too.
+            evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+            return None if needed > self.pool.num_free_blocks - evictable_hits else needed
+        needed = -(-total // bs) - len(request.kv.block_ids)
+        return None if needed > self.pool.num_free_blocks else needed
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         # Blocks whose tokens are all computed by the end of this step become shareable:

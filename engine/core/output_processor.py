@@ -77,6 +77,12 @@ class OutputProcessor:
         return None, num_new
 
     @staticmethod
+    def on_decoded(req: Request, token_ids: list[int]) -> None:
+        """A run of tokens with no text, logprobs or stop to look for (on_new_tokens' lean
+        case, once for the run): the fleet's fast-forward."""
+        req.out.completion.token_ids += token_ids
+
+    @staticmethod
     def on_token(req: Request, token: int, logprob: TokenLogprob | None, last: bool = True) -> str | None:
         """Record one of the request's new tokens (in order; `last`: the newest, which a
         stop token ends); return the stop string it completed, if any."""

@@ -151,7 +151,7 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         if out.scheduled:  # an empty output is never run, so the executor would not see it
-            out.freed, self._freed = self._freed, []
+            out.freed = self.take_freed()
         return out
 
     def _preempt(self, request: Request) -> None:
@@ -205,6 +205,18 @@ class Scheduler:
             if item.spec_token_ids and not item.request.status.finished:
                 self.kv_cache.trim(item.request)
         return appended
+
+    def append_decoded(self, request: Request, token_ids: list[int]) -> None:
+        """Record a run of decode steps' tokens for a running request, one a step, none of
+        which ends it (the fleet's fast-forward, engine/fleet/fast_forward.py, checked that
+        and allocated their slots): what update() does for them one step at a time."""
+        request.output_token_ids += token_ids
+        request.num_computed_tokens += len(token_ids)
+
+    def take_freed(self) -> list[Request]:
+        """The requests freed since the last scheduled output, handed over once."""
+        freed, self._freed = self._freed, []
+        return freed
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request (stop, length or abort) and free its blocks; idempotent."""

@@ -18,6 +18,7 @@ from ..core.clock import VirtualClock
 from ..config.engine import EngineConfig
 from ..llm_engine import LLMEngine
 from ..core.sampling_params import SamplingParams
+from .fast_forward import decode_steps
 from .replica_metrics import ReplicaMetrics, Sample
 from .trace import TraceRequest
 from ..config.validation import LengthError, positive_int
@@ -139,10 +140,11 @@ class Replica:
     def _refuse(sim: SimRequest, error: str, now: float) -> None:
         sim.error, sim.finished, sim.finish_reason = error, now, "error"
 
-    def step(self, on_finished: Callable[[SimRequest], None]) -> None:
+    def step(self, on_finished: Callable[[SimRequest], None], until: float | None = None) -> None:
+        """One engine step, or (given `until`) the decode-only ones before it (fast_forward.py)."""
         # Only finished requests come back (output_kind final_only); the engine reports
         # TTFT, gaps and finishes to self.metrics as they happen.
-        for out in self.engine.step():
+        for out in self.engine.step() if until is None or not decode_steps(self.engine, until) else ():
             sim = self.live.pop(out.request_id)
             c, m = out.outputs[0], out.metrics
             sim.output_tokens, sim.finish_reason = len(c.token_ids), c.finish_reason
@@ -158,7 +160,7 @@ class Fleet:
     def __init__(self, config: EngineConfig, replicas: int = 1, router: str = "round-robin",
                  scrape_interval: float | None = None, max_concurrency: int | None = None,
                  on_scrape: Callable[[Scrape], None] | None = None, keep_scrapes: bool = True,
-                 client_timeout: float | None = None) -> None:
+                 client_timeout: float | None = None, fast_forward: bool = True) -> None:
         if config.simulate is None:
             raise ValueError("the fleet simulator needs a simulated accelerator (simulate=...)")
         if router not in ROUTERS:
@@ -178,6 +180,7 @@ class Fleet:
         # the slots is free; the heap holds the times the free slots became free.
         self._slots: list[float] | None = [0.0] * max_concurrency if max_concurrency else None
         self.config, self.router = config, router
+        self.fast_forward = fast_forward  # False: one step at a time, to the same result
         self.now = 0.0
         self.replicas: list[Replica] = []
         self.retired: list[Replica] = []
@@ -290,10 +293,11 @@ class Fleet:
                     stepper, step_at = r, r.clock.t
             if arrival is None and stepper is None and math.isinf(t_end):
                 break
-            t = min(step_at, math.inf if arrival is None else arrival,
-                    math.inf if self._next_scrape is None else self._next_scrape,
-                    self._starting[0] if self._starting else math.inf,
-                    self._deadlines[0][0] if self._deadlines else math.inf)
+            event = min(math.inf if arrival is None else arrival,
+                        math.inf if self._next_scrape is None else self._next_scrape,
+                        self._starting[0] if self._starting else math.inf,
+                        self._deadlines[0][0] if self._deadlines else math.inf)
+            t = min(step_at, event)
             if math.isinf(t):
                 t = t_end
             if t >= t_end:
@@ -317,7 +321,7 @@ class Fleet:
                 self._route(self._pending[self._next], t)
                 self._next += 1
             else:
-                stepper.step(self._on_finished)
+                stepper.step(self._on_finished, self._fast_forward_until(stepper, min(event, t_end)))
                 # Only the replica that stepped can have become idle while draining.
                 if stepper.draining and self.retired_pending():
                     self._retire()
@@ -326,6 +330,13 @@ class Fleet:
         self._retire()
         for r in self.replicas + self.retired:  # whoever reads the metrics next sees the last step's
             r.sync_stats()
+
+    def _fast_forward_until(self, stepper: Replica, next_event: float) -> float | None:
+        """How far `stepper` may fast-forward (None: one step): to the next event; in a closed
+        loop, to another busy replica's clock too (a finish there frees a slot for an arrival)."""
+        if not self.fast_forward or self._slots is None:
+            return next_event if self.fast_forward else None
+        return min([next_event] + [r.clock.t for r in self.replicas if r is not stepper and r.engine.scheduler.unfinished])
 
     def run(self, requests: Iterable[TraceRequest]) -> None:
         """Run a whole trace until every request has finished."""

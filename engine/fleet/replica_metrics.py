@@ -133,12 +133,13 @@ class ReplicaMetrics:
     def record_first_token(self, ttft: float) -> None:
         self._ttft.observe(max(ttft, 0.0))
 
-    def record_inter_token(self, latency: float) -> None:
+    def record_inter_token(self, latency: float, times: int = 1) -> None:
+        """One gap between a sequence's tokens (or `times` equal ones, as many calls would)."""
         if latency == self._gap:
-            self._gap_repeats += 1
+            self._gap_repeats += times
             return
         self.flush()
-        self._gap, self._gap_repeats = latency, 1
+        self._gap, self._gap_repeats = latency, times
 
     def flush(self) -> None:
         """Observe the repeated gaps counted so far (a scrape or a report calls this)."""
@@ -147,8 +148,8 @@ class ReplicaMetrics:
             self.itl_fine.observe(self._gap, self._gap_repeats)
             self._gap_repeats = 0
 
-    def record_iteration_tokens(self, num_tokens: int) -> None:
-        self.histograms["vllm:iteration_tokens_total"].observe(num_tokens)
+    def record_iteration_tokens(self, num_tokens: int, times: int = 1) -> None:
+        self.histograms["vllm:iteration_tokens_total"].observe(num_tokens, times)
 
     def record_finished(self, req: FinishedRequest) -> None:
         """As ServerMetrics.record_finished (its request_metrics.py says what each one holds)."""

@@ -126,6 +126,33 @@ class SimulatedExecutor:
     def make_generator(self, seed: int) -> None:
         return None  # tokens are a function of the request's seed and position
 
+    def _wait_step(self, duration: float, started_at: float, follows_previous: bool) -> None:
+        """Count a step of `duration` and wait for its end on the engine's clock."""
+        self.busy_s += duration
+        self.num_steps += 1
+        # A busy engine's steps follow each other on the modelled timeline: the host work in
+        # between (outputs, streaming, scheduling) is hidden behind the accelerator, as on
+        # real hardware. After an idle spell the step starts when it is scheduled. Host
+        # work longer than the step is counted, and the timeline restarts from it.
+        follows = follows_previous and self._last_end is not None
+        deadline = (self._last_end if follows else started_at) + duration
+        now = self.clock.now()
+        if now > deadline:
+            self.overrun_s += now - deadline
+            deadline = now
+        self.clock.sleep_until(deadline)
+        self._last_end = deadline
+
+    def decode_time(self, num_seqs: int, context_tokens: int) -> float:
+        """The modelled time of a step in which each of `num_seqs` sequences decodes one token
+        (sampled), with `context_tokens` in all after it."""
+        return self._step_time(BatchShape(num_seqs, num_seqs, num_seqs, context_tokens, context_tokens))
+
+    def run_decode(self, num_seqs: int, context_tokens: int, started_at: float, follows_previous: bool) -> None:
+        """What run() does for such a step, less choosing the tokens: the fleet's fast-forward
+        (engine/fleet/fast_forward.py) draws those itself."""
+        self._wait_step(self.decode_time(num_seqs, context_tokens), started_at, follows_previous)
+
     def run(self, out: SchedulerOutput) -> StepResult:
         sampled, drafted = [], []
         logit_rows = passes = 0
@@ -157,20 +184,7 @@ class SimulatedExecutor:
         duration = self._step_time(shape)
         if drafted:
             duration += draft_time(self.model, self.accelerator, drafted, passes, self.draft_cost, self.parallel)
-        self.busy_s += duration
-        self.num_steps += 1
-        # A busy engine's steps follow each other on the modelled timeline: the host work in
-        # between (outputs, streaming, scheduling) is hidden behind the accelerator, as on
-        # real hardware. After an idle spell the step starts when it is scheduled. Host
-        # work longer than the step is counted, and the timeline restarts from it.
-        follows = out.follows_previous and self._last_end is not None
-        deadline = (self._last_end if follows else out.started_at) + duration
-        now = self.clock.now()
-        if now > deadline:
-            self.overrun_s += now - deadline
-            deadline = now
-        self.clock.sleep_until(deadline)
-        self._last_end = deadline
+        self._wait_step(duration, out.started_at, out.follows_previous)
         requests = [item.request for item in sampled]
         if drafted:
             token, verify = self.tokens.token, self.drafts.verify

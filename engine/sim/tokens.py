@@ -67,6 +67,17 @@ class TokenSource:
                 out.append([token(r.seed, len(r.output_token_ids), p.ignore_eos, p.min_tokens)])
         return out
 
+    def tokens_ignoring_eos(self, seed: int, start: int, count: int) -> list[int]:
+        """The tokens at output positions start .. start + count - 1 of a request that
+        ignores EOS (or with no EOS id), as next_tokens draws them one step at a time."""
+        low, span, out = self.low, self.span, []
+        for index in range(start, start + count):
+            x = (((seed << 20) ^ index) + 0x9E3779B97F4A7C15) & _MASK
+            x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+            x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+            out.append(low + (x ^ (x >> 31)) % span)
+        return out
+
     def logprob(self, seed: int, index: int, token: int, top: int) -> TokenLogprob:
         """Plausible, deterministic logprobs: the chosen token and `top` alternatives."""
         chosen = -3.0 * uniform(seed, _LOGPROB_SALT ^ index)
