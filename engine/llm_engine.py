@@ -266,9 +266,9 @@ class LLMEngine:
 
     def emit_decoded(self, token_ids: list[list[int]], last_token_time: float) -> None:
         """Apply a run of decode-only steps the fleet's fast-forward took (engine/fleet/
-        fast_forward.py; it allocated their slots and timed them): each running request's
-        tokens, aligned with scheduler.running, none ending it, the last at
-        `last_token_time`. The gaps between them are the fast-forward's to record."""
+        fast_forward.py; it times them, records their gaps and allocates their slots): each
+        running request's tokens, aligned with scheduler.running, none ending it, the last
+        at `last_token_time`."""
         self.scheduler.take_freed()  # the simulated executor has no rows to free
         for req, ids in zip(self.scheduler.running, token_ids):
             self.scheduler.append_decoded(req, ids)
