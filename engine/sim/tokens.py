@@ -52,24 +52,23 @@ class TokenSource:
 
     def next_tokens(self, requests: list) -> list[list[int]]:
         """Each request's token at its next output position, as token() gives it ([t] per
-        request). The simulator asks this for every sequence of every step: SplitMix64 is
-        inlined for the requests that ignore EOS (most traces'), the rest ask token()."""
-        low, span, token = self.low, self.span, self.token
+        request): tokens_ignoring_eos for the requests that ignore EOS (most traces'), the
+        rest ask token()."""
+        token, run = self.token, self.tokens_ignoring_eos
         out = []
         for r in requests:
             p = r.sampling_params
             if p.ignore_eos or self.eos_token_id is None:
-                x = (((r.seed << 20) ^ len(r.output_token_ids)) + 0x9E3779B97F4A7C15) & _MASK
-                x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-                x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-                out.append([low + (x ^ (x >> 31)) % span])
+                out.append(run(r.seed, len(r.output_token_ids), 1))
             else:
                 out.append([token(r.seed, len(r.output_token_ids), p.ignore_eos, p.min_tokens)])
         return out
 
     def tokens_ignoring_eos(self, seed: int, start: int, count: int) -> list[int]:
         """The tokens at output positions start .. start + count - 1 of a request that
-        ignores EOS (or with no EOS id), as next_tokens draws them one step at a time."""
+        ignores EOS (or with no EOS id), as token() gives them: SplitMix64 inlined, since the
+        simulator draws one for every sequence of every step (the fleet's fast-forward, a
+        run at a time)."""
         low, span, out = self.low, self.span, []
         for index in range(start, start + count):
             x = (((seed << 20) ^ index) + 0x9E3779B97F4A7C15) & _MASK
