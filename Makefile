@@ -15,23 +15,31 @@ include e2e/cluster.mk
 
 .PHONY: dev lint test test-fast image demo autotune-bench gateway-bench clean
 
-$(VENV)/.installed: pyproject.toml
+# uv installs from its cache (~/.cache/uv, outside the clone) by hard links, so a clean clone's
+# `make dev` takes seconds once the cache is warm, where pip unpacked several GB of torch wheels
+# each time (about 2.5 min here). pip does it where uv cannot be had or fails.
+export UV_CACHE_DIR ?= $(HOME)/.cache/uv
+define venv_install
 	@# `python -m` puts the working directory on sys.path, where operator/ would shadow the
 	@# standard library's `operator`: bootstrap from / and use the venv's scripts.
 	@test -x $(PY) || (cd / && $(PYTHON) -m venv $(CURDIR)/$(VENV))
-	$(VENV)/bin/pip install --upgrade --quiet pip
-	$(VENV)/bin/pip install --progress-bar on -e '.[dev]'
+	@$(VENV)/bin/pip install --quiet 'uv>=0.9,<1' || echo "uv unavailable: installing with pip"
+	@if test -x $(VENV)/bin/uv && $(VENV)/bin/uv pip install --python $(PY) --system-certs \
+	    $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) -e '.[$(1)]'; then :; else \
+	  $(VENV)/bin/pip install --upgrade --quiet pip && \
+	  $(VENV)/bin/pip install --progress-bar on -e '.[$(1)]'; fi
 	@touch $@
+endef
+
+$(VENV)/.installed: pyproject.toml
+	$(call venv_install,dev)
 
 dev: $(VENV)/.installed
 
 # The demo's own process drives the cluster, the load and the plot: the operator's packages and
 # matplotlib, not torch (a few hundred MB instead of several GB). `make dev` adds the rest.
 $(VENV)/.installed-demo: pyproject.toml
-	@test -x $(PY) || (cd / && $(PYTHON) -m venv $(CURDIR)/$(VENV))
-	$(VENV)/bin/pip install --upgrade --quiet pip
-	$(VENV)/bin/pip install --progress-bar on -e '.[demo]'
-	@touch $@
+	$(call venv_install,demo)
 
 lint: dev
 	$(VENV)/bin/ruff check .
