@@ -10,9 +10,16 @@ from dataclasses import dataclass
 ROOT_HASH = b""
 
 
-def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
-    """Chained hash: a block's identity covers every token before it, not just its own."""
-    return hashlib.blake2b(parent_hash + array("q", token_ids).tobytes(), digest_size=16).digest()
+def hash_blocks(parent_hash: bytes, token_ids: list[int], block_size: int) -> list[bytes]:
+    """The chained hashes of each full block of `token_ids`, the first chained to
+    `parent_hash`: a block's identity covers every token before it, not just its own. A
+    prompt's blocks go at once (its ids become bytes once, not once per block)."""
+    data, width = array("q", token_ids).tobytes(), 8 * block_size
+    out, blake2b = [], hashlib.blake2b
+    for start in range(0, len(data) - width + 1, width):
+        parent_hash = blake2b(parent_hash + data[start:start + width], digest_size=16).digest()
+        out.append(parent_hash)
+    return out
 
 
 @dataclass(eq=False)
@@ -47,11 +54,12 @@ class BlockPool:
 
     def take(self, n: int) -> list[KVCacheBlock] | None:
         """Pop n blocks for new tokens, evicting cached ones in LRU order; None if short."""
-        if n > len(self._free):
+        free = self._free
+        if n > len(free):
             return None
         taken = []
         for _ in range(n):
-            _, block = self._free.popitem(last=False)
+            block = free.popitem(last=False)[1]
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
                 block.block_hash = None

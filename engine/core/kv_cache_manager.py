@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .block_pool import ROOT_HASH, BlockPool, KVCacheBlock, hash_block
+from .block_pool import ROOT_HASH, BlockPool, KVCacheBlock, hash_blocks
 from .request import Request
 
 
@@ -38,10 +38,9 @@ class KVCacheManager:
     def _update_hashes(self, request: Request, num_tokens: int) -> None:
         bs = self.block_size
         hashes = request.kv.block_hashes
-        while (len(hashes) + 1) * bs <= num_tokens:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.append(hash_block(parent, request.token_at(i * bs, (i + 1) * bs)))
+        start, end = len(hashes) * bs, num_tokens // bs * bs
+        if end > start:
+            hashes.extend(hash_blocks(hashes[-1] if hashes else ROOT_HASH, request.token_at(start, end), bs))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of full blocks. At least one token is always left to

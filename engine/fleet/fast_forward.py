@@ -35,12 +35,11 @@ def decode_steps(engine: LLMEngine, until: float) -> int:
             or not (sink is None or isinstance(sink, ReplicaMetrics))):
         return 0
     n = len(running)
-    most = _steps_before_a_finish(running)
+    most, context = _steps_before_a_finish(running)
     if most < 1 or n > sched.limits.max_num_batched_tokens or not _admission_blocked(engine, n):
         return 0
     kv, clock = engine.kv_cache, runner.clock
     bs = kv.block_size
-    context = sum(r.num_computed_tokens for r in running)
     # Steps only lengthen as the sequences grow: no more than this many start before `until`.
     first = runner.decode_time(n, context + n)
     if first > 0 and until - clock.now() < (most - 1) * first:
@@ -88,10 +87,10 @@ def decode_steps(engine: LLMEngine, until: float) -> int:
     return k
 
 
-def _steps_before_a_finish(running: list[Request]) -> int:
-    """Steps every running sequence can take on the fast path before one of them ends
-    (0 when one cannot take it at all)."""
-    steps = math.inf
+def _steps_before_a_finish(running: list[Request]) -> tuple[int, int]:
+    """(steps every running sequence can take on the fast path before one of them ends (0
+    when one cannot take it at all), their computed tokens in all)."""
+    steps, context = math.inf, 0
     for r in running:
         p, out = r.sampling_params, r.out
         # A decode: it has a token already (a prompt's last chunk of one token gives the first).
@@ -99,10 +98,13 @@ def _steps_before_a_finish(running: list[Request]) -> int:
                 or r.spec.token_ids
                 or r.stop_token_ids or p.logprobs is not None or out.detokenizer is not None
                 or len(out.group.children) != 1 or p.output_kind != "final_only"):
-            return 0
+            return 0, 0
         # The step that gives the max_tokens-th token finishes it: it goes the usual way.
         steps = min(steps, r.max_tokens - len(r.output_token_ids) - 1)
-    return int(steps)
+        if steps < 1:  # one finishes at the next step: no run
+            return 0, 0
+        context += r.num_computed_tokens
+    return int(steps), context
 
 
 def _block_events(r: Request, i: int, bs: int, caching: bool, steps: int) -> list[tuple[int, int, int]]:

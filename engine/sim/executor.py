@@ -146,7 +146,7 @@ class SimulatedExecutor:
     def decode_time(self, num_seqs: int, context_tokens: int) -> float:
         """The modelled time of a step in which each of `num_seqs` sequences decodes one token
         (sampled), with `context_tokens` in all after it."""
-        return self._step_time(BatchShape(num_seqs, num_seqs, num_seqs, context_tokens, context_tokens))
+        return self._step_time.decode(num_seqs, context_tokens)
 
     def run_decode(self, num_seqs: int, context_tokens: int, started_at: float, follows_previous: bool) -> None:
         """What run() does for such a step, less choosing the tokens: the fleet's fast-forward

@@ -136,6 +136,8 @@ class StepTimer:
         self.score_bytes = acc.attention_score_bytes
         self.head_bytes = h * self.vocab * self.ab
         self.overheads = acc.step_overhead_s, acc.per_seq_overhead_s, acc.per_token_overhead_s
+        # decode(): per batch size, the terms that do not depend on the context.
+        self._decode_terms: dict[int, tuple[float, float, float, float, float]] = {}
 
     def __call__(self, b: BatchShape) -> float:
         t = b.num_tokens
@@ -155,6 +157,32 @@ class StepTimer:
         overhead = step + per_seq * b.num_seqs + per_token * t
         comm = self.tp.communication_s(self.model, t, s)
         return overhead + self.layers * gemm + self.layers * attn + lm_head + sampling + comm
+
+    def decode(self, num_seqs: int, context_tokens: int) -> float:
+        """self(BatchShape(num_seqs, num_seqs, num_seqs, context_tokens, context_tokens)), a step
+        in which each sequence decodes one token, to the bit: the same expressions, with the
+        ones that do not depend on the context kept per batch size (the fleet's fast-forward
+        asks this for every step of a run)."""
+        terms = self._decode_terms.get(num_seqs)
+        if terms is None:
+            terms = self._decode_terms[num_seqs] = self._terms_of_decode(num_seqs)
+        head, qo_bytes, lm_head, sampling, comm = terms
+        ab, d, heads, pairs = self.ab, self.d, self.heads, context_tokens
+        attn = max(self.attn_per_pair * pairs / self.attn_flops,
+                   (pairs * 2 * self.kv_heads * d * ab + qo_bytes + pairs * heads * self.score_bytes) / self.bw)
+        return head + self.layers * attn + lm_head + sampling + comm
+
+    def _terms_of_decode(self, n: int) -> tuple[float, float, float, float, float]:
+        """__call__'s context-free terms for n one-token sequences: (overhead + layers * gemm,
+        the query and output bytes, lm_head, sampling, comm), each as __call__ computes it."""
+        ab, d, bw, t, s = self.ab, self.d, self.bw, n, n
+        gemm = max(2 * t * self.params / self.gemm_flops, (self.weights + t * self.act_elems * ab) / bw)
+        lm_head = max(2 * s * self.h * self.vocab / self.gemm_flops, (self.head_bytes + s * self.vocab * LOGIT_BYTES) / bw)
+        sampling = 2 * s * self.full_vocab * LOGIT_BYTES / bw
+        step, per_seq, per_token = self.overheads
+        overhead = step + per_seq * n + per_token * t
+        return (overhead + self.layers * gemm, t * self.qo_heads * d * ab, lm_head, sampling,
+                self.tp.communication_s(self.model, t, s))
 
 
 # --- memory -------------------------------------------------------------------------------

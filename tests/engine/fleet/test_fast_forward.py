@@ -8,10 +8,11 @@ blocks, clients that give up, EOS, live limits and replicas coming and going."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
-import kvpilot.engine.fleet.fleet as fleet_module
+import kvpilot.engine.fleet.replica as replica_module
 from kvpilot.engine.config.engine import EngineConfig
 from kvpilot.engine.fleet.fleet import Fleet
 from kvpilot.engine.fleet.trace import Phase, TraceRequest, generate
@@ -43,13 +44,13 @@ def _both(monkeypatch, drive, config: EngineConfig, **fleet_kw) -> tuple[dict, d
     """`drive(fleet)` on a fleet stepping one step at a time and on one fast-forwarding;
     their outcomes and the steps the fast-forward took."""
     taken = []
-    real = fleet_module.decode_steps
+    real = replica_module.decode_steps
 
     def counted(engine, until):
         taken.append(real(engine, until))
         return taken[-1]
 
-    monkeypatch.setattr(fleet_module, "decode_steps", counted)
+    monkeypatch.setattr(replica_module, "decode_steps", counted)
     plain = Fleet(config, fast_forward=False, **fleet_kw)
     drive(plain)
     fast = Fleet(config, **fleet_kw)
@@ -82,6 +83,32 @@ def test_fast_forward_matches_stepping(monkeypatch, name, config, fleet_kw, trac
     assert taken > 0, f"{name}: the fast path never ran"
     for key in plain:
         assert fast[key] == plain[key], f"{name}: {key} differs"
+
+
+@pytest.mark.parametrize("config, fleet_kw, trace, all_in_time", [
+    (_config(), {"client_timeout": 10.0, "scrape_interval": 5},
+     _trace(duration=60, rate=4, input="uniform:200:1500", output="uniform:20:200"), True),
+    (_config(max_num_seqs=8), {"replicas": 2, "client_timeout": 3.0, "max_concurrency": 30, "scrape_interval": 4},
+     _trace(duration=30, rate=20, input="uniform:500:3000", output="uniform:50:500"), False),
+])
+def test_a_deadline_that_would_do_nothing_is_no_event(monkeypatch, config, fleet_kw, trace, all_in_time):
+    # A client's deadline is dropped once its request has a token or has finished: the same
+    # outcome as keeping it as an event (give_up would refuse), with fewer, longer runs.
+    real, outcomes, runs = replica_module.decode_steps, {}, {}
+    for keep in (False, True):
+        taken = []
+        monkeypatch.setattr(replica_module, "decode_steps", lambda e, u: taken.append(real(e, u)) or taken[-1])
+        if keep:  # every deadline an event, as before they were dropped
+            monkeypatch.setattr(Fleet, "_next_deadline", lambda self: self._deadlines[0][0] if self._deadlines else math.inf)
+        fleet = Fleet(config, **fleet_kw)
+        fleet.run(trace)
+        outcomes[keep], runs[keep] = _outcome(fleet), sum(1 for k in taken if k)
+    assert outcomes[False] == outcomes[True]
+    if all_in_time:
+        assert all(r["error"] is None for r in outcomes[False]["requests"])
+        assert runs[False] < 0.8 * runs[True], runs
+    else:
+        assert any(r["error"] for r in outcomes[False]["requests"]), "no client gave up"
 
 
 def test_shared_blocks_and_eos_match_stepping(monkeypatch):

@@ -169,6 +169,22 @@ def test_the_step_timer_gives_step_times_bit_for_bit(seqs, tp_size, name):
     assert StepTimer(LLAMA8B, acc, par)(batch) == step_time(LLAMA8B, acc, batch, par)
 
 
+@given(steps=st.lists(st.tuples(st.integers(1, 1024), st.integers(1, 2_000_000)), min_size=1, max_size=12),
+       tp_size=st.sampled_from([1, 2, 8]), name=st.sampled_from(sorted(ACCELERATORS)))
+@settings(max_examples=60, deadline=None)
+def test_the_step_timers_decode_steps_are_its_step_times_bit_for_bit(steps, tp_size, name):
+    # decode() keeps the context-free terms per batch size (the fast-forward asks it every
+    # step of a run): asked in any order, each time must equal the general path's.
+    from kvpilot.engine.sim.hardware import INTERCONNECTS
+    from kvpilot.engine.sim.parallel import SINGLE_GPU, TensorParallel
+    from kvpilot.engine.sim.timing import StepTimer
+
+    par = TensorParallel(tp_size, INTERCONNECTS["nvlink4"]) if tp_size > 1 else SINGLE_GPU
+    timer = StepTimer(LLAMA8B, ACCELERATORS[name], par)
+    for n, context in steps + steps[::-1]:
+        assert timer.decode(n, context) == timer(BatchShape(n, n, n, context, context))
+
+
 def test_next_tokens_are_the_token_sources_tokens():
     from types import SimpleNamespace
 
