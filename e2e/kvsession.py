@@ -124,10 +124,18 @@ def gateway_url(kube, model: str | None = None) -> str | None:
     return None
 
 
+def gateway_ready_replicas(url: str, model: str) -> float | None:
+    """The ready replicas of `model` the gateway at `url` routes to (its listing lags the API
+    by up to its refresh interval); None while it lists none of that model."""
+    m = re.search(rf'^kvpilot_gateway_ready_replicas\{{model="{re.escape(model)}"\}} ([0-9.e+-]+)$',
+                  httpx.get(f"{url}/metrics", timeout=10).text, re.M)
+    return float(m.group(1)) if m else None
+
+
 def gateway_sees_no_replica(url: str, model: str) -> bool:
-    """The gateway at `url` has no ready replica of `model` to route to (its listing lags
-    the API by up to its refresh interval, and until then a draining pod still answers)."""
-    return f'kvpilot_gateway_ready_replicas{{model="{model}"}} 0.0' in httpx.get(f"{url}/metrics", timeout=10).text
+    """The gateway at `url` has no ready replica of `model` to route to (until its listing
+    catches up, a draining pod still answers)."""
+    return gateway_ready_replicas(url, model) == 0.0
 
 
 def load_targets(kube, ns: str, name: str, direct: bool = False):
@@ -488,5 +496,5 @@ def _rfc3339(text: str) -> float:
 
 
 __all__ = ["BuildError", "ClusterError", "LoadDriver", "Monitor", "SETUP_FAILURES", "SetupError", "Workload", "run_to_exit_code",
-           "deploy", "engine_pods", "get_llmd", "gateway_sees_no_replica", "gateway_url", "install_operator", "load_targets", "llmd_manifest", "log", "open_cluster",
+           "deploy", "engine_pods", "get_llmd", "gateway_ready_replicas", "gateway_sees_no_replica", "gateway_url", "install_operator", "load_targets", "llmd_manifest", "log", "open_cluster",
            "pod_urls", "preemptions_total", "set_live", "wait_for"]
