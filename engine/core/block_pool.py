@@ -22,7 +22,7 @@ def hash_blocks(parent_hash: bytes, token_ids: list[int], block_size: int) -> li
     return out
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: read and written for every block of every step
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0

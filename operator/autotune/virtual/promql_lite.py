@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 
 LOOKBACK_S = 300.0
+MAX_PARSED = 1024  # distinct query texts kept parsed (a bound; the reader asks far fewer)
 _TOKEN = re.compile(r"\s*(?:(?P<num>\d+(?:\.\d+)?(?:e[+-]?\d+)?)|(?P<dur>\[\d+(?:ms|s|m|h)\])|"
                     r"(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)|(?P<str>\"(?:[^\"\\]|\\.)*\")|(?P<op>!=|[(){},=+\-*/]))")
 _UNIT = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -54,6 +55,8 @@ class TSDB:
     def __init__(self) -> None:
         self.series: dict[tuple, Series] = {}
         self._by_name: dict[str, list[Series]] = {}
+        # Parsed queries: the autotuner asks the same few dozen every interval.
+        self._parsed: dict[str, object] = {}
 
     def add(self, name: str, labels: dict[str, str], t: float, value: float) -> None:
         key = (name, tuple(sorted(labels.items())))
@@ -74,7 +77,12 @@ class TSDB:
 
     def query(self, text: str, at: float) -> list[dict]:
         """Prometheus's /api/v1/query result (the `result` list) for an instant query."""
-        value = _Parser(text).parse().eval(self, at)
+        expr = self._parsed.get(text)
+        if expr is None:
+            if len(self._parsed) >= MAX_PARSED:
+                self._parsed.clear()
+            expr = self._parsed[text] = _Parser(text).parse()
+        value = expr.eval(self, at)
         if isinstance(value, float):
             return [{"metric": {}, "value": [at, _fmt(value)]}]
         return [{"metric": {k: v for k, v in labels.items() if k != "__name__"}, "value": [at, _fmt(v)]}

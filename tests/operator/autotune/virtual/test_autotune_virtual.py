@@ -59,6 +59,20 @@ def test_every_query_the_reader_builds_evaluates():
         db.query("sum(rate(x[5m])", 1.0)
 
 
+def test_a_query_asked_again_reads_the_samples_added_since():
+    # The parsed query is kept, never its result: a later evaluation sees the new samples.
+    db = TSDB()
+    for t in (0.0, 15.0, 30.0):
+        db.add("c", {}, t, t)
+    q = "sum(rate(c[30s]))"
+    assert float(db.query(q, 30.0)[0]["value"][1]) == pytest.approx(1.0)
+    for t in (45.0, 60.0):
+        db.add("c", {}, t, 30.0 + 3 * (t - 30.0))
+    assert float(db.query(q, 60.0)[0]["value"][1]) == pytest.approx(3.0)
+    for i in range(1100):  # more distinct texts than are kept parsed: still answered
+        assert db.query(f"c * {i}", 60.0)[0]["value"][1] == repr(120.0 * i)
+
+
 def test_negative_label_matchers():
     db = TSDB()
     for t in (0.0, 15.0, 30.0):
