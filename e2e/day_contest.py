@@ -131,10 +131,13 @@ def prompt_vocab(scen) -> tuple[int, int]:
 
 
 def run_realtime(cluster, scen, trace, kind: str, vocab: tuple[int, int], scale: float = 1.0,
-                 load_seconds: float | None = None, via_gateway: bool = False) -> dict:
+                 load_seconds: float | None = None, via_gateway: bool = False,
+                 wait_for_cleanup: bool = True) -> dict:
     """One contender on the running cluster (the operator installed; KEDA started for
     "keda"): deploy, replay the trace, score it as the simulator would, clean up. `scale`
-    compresses the control loops as contest.run_contender's control_scale does."""
+    compresses the control loops as contest.run_contender's control_scale does.
+    `wait_for_cleanup`: return once its namespace is gone (about 30 s here), so the next
+    contender starts with every GPU free; a caller that runs no contender after it need not."""
     if load_seconds is None:
         load_seconds = load_seconds_for(scale)
     kube = cluster.kube()
@@ -197,7 +200,8 @@ def run_realtime(cluster, scen, trace, kind: str, vocab: tuple[int, int], scale:
     result["errors"] = sorted({r.error for r in run.requests if r.error})[:5]
     log(f"[{kind}] {result['overall']['goodput_per_gpu_hour']:.0f} good req/GPU-h, "
         f"{result['overall']['failed']} failed, client send lag p99 {result['client_late_p99_s'] or 0:.3f}s")
-    cluster.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=180s", check=False)
+    cluster.kubectl("delete", "namespace", ns, *(("--wait=true", "--timeout=180s") if wait_for_cleanup
+                                                  else ("--wait=false",)), check=False)
     return result
 
 
