@@ -16,6 +16,7 @@ from .replica_metrics import ReplicaMetrics
 from .trace import TraceRequest
 from ..config.validation import LengthError
 
+
 @dataclass
 class SimRequest:
     """One trace request's life in the simulator (times on the virtual clock)."""
