@@ -143,46 +143,40 @@ class StepTimer:
         t = b.num_tokens
         if t == 0:
             return 0.0
-        ab, d, bw, heads, kv_heads = self.ab, self.d, self.bw, self.heads, self.kv_heads
-        pairs = b.attention_pairs
+        head, qo_bytes, lm_head, sampling, comm = self._context_free(b.num_seqs, t, b.num_sampled)
+        attn = self._attention(b.attention_pairs, b.kv_tokens_read, qo_bytes)
+        return head + self.layers * attn + lm_head + sampling + comm
+
+    def decode(self, num_seqs: int, context_tokens: int) -> float:
+        """self(BatchShape(num_seqs, num_seqs, num_seqs, context_tokens, context_tokens)), a step
+        in which each sequence decodes one token, to the bit, with the terms that do not
+        depend on the context kept per batch size (the fleet's fast-forward asks this for
+        every step of a run)."""
+        terms = self._decode_terms.get(num_seqs)
+        if terms is None:
+            terms = self._decode_terms[num_seqs] = self._context_free(num_seqs, num_seqs, num_seqs)
+        head, qo_bytes, lm_head, sampling, comm = terms
+        return head + self.layers * self._attention(context_tokens, context_tokens, qo_bytes) + lm_head + sampling + comm
+
+    def _context_free(self, num_seqs: int, t: int, s: int) -> tuple[float, float, float, float, float]:
+        """step_cost's terms that do not depend on the context, for num_seqs sequences, t new
+        tokens and s sampled: (overhead + layers x GEMMs, the query and output bytes the
+        attention moves, the LM head, sampling, communication)."""
+        ab, d, bw = self.ab, self.d, self.bw
         gemm = max(2 * t * self.params / self.gemm_flops, (self.weights + t * self.act_elems * ab) / bw)
-        attn = max(self.attn_per_pair * pairs / self.attn_flops,
-                   (b.kv_tokens_read * 2 * kv_heads * d * ab + t * self.qo_heads * d * ab
-                    + pairs * heads * self.score_bytes) / bw)
-        s = b.num_sampled
         lm_head = max(2 * s * self.h * self.vocab / self.gemm_flops,
                       (self.head_bytes + s * self.vocab * LOGIT_BYTES) / bw) if s else 0.0
         sampling = 2 * s * self.full_vocab * LOGIT_BYTES / bw
         step, per_seq, per_token = self.overheads
-        overhead = step + per_seq * b.num_seqs + per_token * t
-        comm = self.tp.communication_s(self.model, t, s)
-        return overhead + self.layers * gemm + self.layers * attn + lm_head + sampling + comm
-
-    def decode(self, num_seqs: int, context_tokens: int) -> float:
-        """self(BatchShape(num_seqs, num_seqs, num_seqs, context_tokens, context_tokens)), a step
-        in which each sequence decodes one token, to the bit: the same expressions, with the
-        ones that do not depend on the context kept per batch size (the fleet's fast-forward
-        asks this for every step of a run)."""
-        terms = self._decode_terms.get(num_seqs)
-        if terms is None:
-            terms = self._decode_terms[num_seqs] = self._terms_of_decode(num_seqs)
-        head, qo_bytes, lm_head, sampling, comm = terms
-        ab, d, heads, pairs = self.ab, self.d, self.heads, context_tokens
-        attn = max(self.attn_per_pair * pairs / self.attn_flops,
-                   (pairs * 2 * self.kv_heads * d * ab + qo_bytes + pairs * heads * self.score_bytes) / self.bw)
-        return head + self.layers * attn + lm_head + sampling + comm
-
-    def _terms_of_decode(self, n: int) -> tuple[float, float, float, float, float]:
-        """__call__'s context-free terms for n one-token sequences: (overhead + layers * gemm,
-        the query and output bytes, lm_head, sampling, comm), each as __call__ computes it."""
-        ab, d, bw, t, s = self.ab, self.d, self.bw, n, n
-        gemm = max(2 * t * self.params / self.gemm_flops, (self.weights + t * self.act_elems * ab) / bw)
-        lm_head = max(2 * s * self.h * self.vocab / self.gemm_flops, (self.head_bytes + s * self.vocab * LOGIT_BYTES) / bw)
-        sampling = 2 * s * self.full_vocab * LOGIT_BYTES / bw
-        step, per_seq, per_token = self.overheads
-        overhead = step + per_seq * n + per_token * t
+        overhead = step + per_seq * num_seqs + per_token * t
         return (overhead + self.layers * gemm, t * self.qo_heads * d * ab, lm_head, sampling,
                 self.tp.communication_s(self.model, t, s))
+
+    def _attention(self, pairs: int, reads: int, qo_bytes: float) -> float:
+        """One layer's attention: compute or memory bound, whichever is slower."""
+        ab, d = self.ab, self.d
+        return max(self.attn_per_pair * pairs / self.attn_flops,
+                   (reads * 2 * self.kv_heads * d * ab + qo_bytes + pairs * self.heads * self.score_bytes) / self.bw)
 
 
 # --- memory -------------------------------------------------------------------------------
