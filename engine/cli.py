@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import signal
 import sys
+import threading
 
 from .config.args import add_engine_args, engine_config_from_args
 
@@ -195,10 +198,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return _parse(argv)[0]
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived before the command installed a handler of its own."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_ends_the_command():
+    """In a container kvpilot is PID 1, and the kernel drops a signal that PID 1 has no
+    handler for: a pod deleted while it starts (imports, a model download, loading weights)
+    would wait out its whole grace period, then be killed. Until the command installs its own
+    handler (the server's drain, uvicorn's, kopf's), SIGTERM ends it; the previous handler is
+    back afterwards (main() also runs inside tests)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set a handler
+        return
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Errors are a line on stderr and a non-zero exit, never a traceback: 2 for a wrong
     invocation (argparse's, or a ValueError naming the flag), 1 for anything else (its
-    traceback with --log-level DEBUG), 130 for Ctrl-C."""
+    traceback with --log-level DEBUG), 130 for Ctrl-C, 143 for a SIGTERM that the command
+    does not handle itself."""
+    with _sigterm_ends_the_command():
+        try:
+            return _run(argv)
+        except Terminated:
+            print("kvpilot: terminated (SIGTERM)", file=sys.stderr)
+            return 143
+
+
+def _run(argv: list[str] | None) -> int:
     args, prog = _parse(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
