@@ -8,7 +8,10 @@
     shared_operator session-scoped SharedOperator: one chart install reused by every module
                    that asks for the same settings (`.get(resync, values)` returns its kube
                    client; a module that kills or reconfigures the operator sets
-                   SPOILS_OPERATOR = True, and the next module gets a fresh install)
+                   SPOILS_OPERATOR = True, and the next module gets a fresh install). A
+                   module that wants other settings names them in OPERATOR; one that installs
+                   its own sets OWN_OPERATOR = True. Modules run grouped by these
+                   (operator_rank), so that the session installs as few times as it can
     tuned_operator module-scoped: the shared operator with a 1 s resync (skips without
                    Prometheus); yields its kube client
 
@@ -34,6 +37,29 @@ IMAGES = pytest.StashKey[list]()  # (name, OCI archive) of the images built for 
 def pytest_configure(config):
     config.addinivalue_line("markers", "keda: needs KEDA built from its Go module (~11 min the first time); "
                                        "run by make autotune-bench, not make test")
+
+
+# The shared operator's settings where a module does not name its own (`OPERATOR`, the
+# keyword arguments of SharedOperator.get): tuned_operator's.
+DEFAULT_OPERATOR = {"resync_interval": 1}
+
+
+def operator_rank(module) -> tuple[int, str]:
+    """Where a module runs in the session. Each change of the shared operator's settings is
+    one more install, so: the modules on the default operator (or none) first, then those that
+    spoil it (each needs a fresh install after it anyway), then those that ask for other
+    settings, grouped, and last the module that installs its own with helm."""
+    if getattr(module, "OWN_OPERATOR", False):
+        return 3, ""
+    settings = getattr(module, "OPERATOR", DEFAULT_OPERATOR)
+    if settings != DEFAULT_OPERATOR:
+        return 2, repr(sorted(settings.items()))
+    return (1 if getattr(module, "SPOILS_OPERATOR", False) else 0), ""
+
+
+def pytest_collection_modifyitems(session, config, items):
+    # A stable sort: within a rank, modules (and the tests in each) keep pytest's order.
+    items.sort(key=lambda item: operator_rank(item.module) if getattr(item, "module", None) else (0, ""))
 
 
 def image_targets(items) -> tuple[str, ...]:
@@ -132,6 +158,6 @@ def shared_operator(cluster, wait_for):
 def tuned_operator(request, cluster, shared_operator):
     if not cluster.prometheus_url:
         pytest.skip("the local cluster runs without Prometheus")
-    yield shared_operator.get(resync_interval=1)
+    yield shared_operator.get(**DEFAULT_OPERATOR)
     if getattr(request.module, "SPOILS_OPERATOR", False):
         shared_operator.release()

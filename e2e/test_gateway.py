@@ -30,10 +30,12 @@ def simulated(ns: str, name: str, replicas: int) -> dict:
                      "autotune": {"mode": "Off"}}}
 
 
+OPERATOR = {"resync_interval": 5, "values": {"gateway.enabled": "true", "gateway.refreshInterval": "1"}}
+
+
 @pytest.fixture(scope="module")
 def gateway(cluster, shared_operator, wait_for):
-    values = {"gateway.enabled": "true", "gateway.refreshInterval": "1"}
-    kube = shared_operator.get(resync_interval=5, values=values)
+    kube = shared_operator.get(**OPERATOR)
 
     def ready():
         pods = kube.get(f"/api/v1/namespaces/{OPERATOR_NS}/pods",

@@ -138,11 +138,18 @@ def installed_operator(cluster, wait_for, resync_interval: float = 10, values: d
                                         "llmdeployments.serving.kvpilot.dev", ok404=True),
                                "Established").get("status") == "True",
              timeout=60, what="the CRD to be Established")
-    # an earlier module's install may still be going away
+    # An earlier module's install may still be going away. helm's (test_upgrade) deletes the
+    # namespace, which must finish terminating. This function's deletes only its objects: a
+    # namespace takes the namespace controller 5 s at least, then its pods' grace, about
+    # 12 s of every install here against 2-3 s for the pods alone.
     wait_for(lambda: kube.get(f"/api/v1/namespaces/{OPERATOR_NS}", ok404=True) is None
              or kube.get(f"/api/v1/namespaces/{OPERATOR_NS}")["status"].get("phase") != "Terminating",
              timeout=120, what=f"namespace {OPERATOR_NS} to finish terminating")
     cluster.create_namespace(OPERATOR_NS)
+    wait_for(lambda: not kube.get(f"/api/v1/namespaces/{OPERATOR_NS}/pods")["items"], timeout=120,
+             what="the last install's operator pods to be gone")
+    # A leader killed without releasing its Lease would hold the new pods back until it expires.
+    cluster.kubectl("delete", "lease", "--all", "-n", OPERATOR_NS, check=False)
     cluster.restore_images()
     cluster.apply(rest)
     try:
@@ -152,7 +159,8 @@ def installed_operator(cluster, wait_for, resync_interval: float = 10, values: d
     try:
         yield kube
     finally:
-        cluster.kubectl("delete", "namespace", OPERATOR_NS, "--wait=false", check=False)
+        cluster.kubectl("delete", "--wait=false", "--ignore-not-found", "-f", "-", input=yaml.safe_dump_all(rest),
+                        check=False)
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,14 @@ pytestmark = pytest.mark.e2e
 N = 20
 INTERVAL_S, WINDOW = 10, "30s"
 RESYNC_S = 2
+OPERATOR = {"resync_interval": RESYNC_S, "values": {"maxConcurrentReconciles": 8}}
 
 
 @pytest.fixture(scope="module")
 def scale_operator(cluster, shared_operator):
     if not cluster.prometheus_url:
         pytest.skip("the local cluster runs without Prometheus")
-    return shared_operator.get(resync_interval=RESYNC_S, values={"maxConcurrentReconciles": 8})
+    return shared_operator.get(**OPERATOR)
 
 
 def test_twenty_deployments_are_each_autotuned_every_interval(cluster, scale_operator, namespace, wait_for):
