@@ -57,8 +57,8 @@ class Timing:
 FULL = Timing(20, 30, 600, 5, 15, "5s", "15s", "15s")
 # The e2e test of the same story. Fixed once healthy for 12 s after a monitor window (10 s)
 # with no change since: at least 22 s, five of the autotuner's 4 s intervals, with nothing to do.
-# A change every 16 s (8 s of cooldown, then an 8 s window, eight 1 s scrapes, read at its
-# settings): 20 s with a 10 s window.
+# A change every 16 s: its 8 s cooldown, then a window of eight 1 s scrapes all taken at the
+# new setting (every 20 s with a 10 s window).
 FAST = Timing(12, 12, 480, 3, 10, "4s", "8s", "8s")
 
 
