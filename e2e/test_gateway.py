@@ -189,8 +189,8 @@ def test_scale_to_zero_by_the_autotuner_and_back_by_the_gateway(cluster, gateway
                  "engine": {"maxModelLen": 512, "maxNumSeqs": 16,
                             "simulate": {"accelerator": "h100-80gb", "model": "llama-3.1-8b"}},
                  "resources": {"gpus": 1, "cpu": "100m", "memory": "512Mi"}, "replicas": 1,
-                 "autoscaling": {"minReplicas": 0, "maxReplicas": 1, "scaleToZeroAfter": "20s"},
-                 "autotune": {"mode": "Auto", "interval": "5s", "window": "15s", "cooldown": "10s",
+                 "autoscaling": {"minReplicas": 0, "maxReplicas": 1, "scaleToZeroAfter": "10s"},
+                 "autotune": {"mode": "Auto", "interval": "5s", "window": "10s", "cooldown": "10s",
                               "prometheus": {"url": cluster.prometheus_url}}}})
     llmd_path = f"/apis/serving.kvpilot.dev/v1alpha1/namespaces/{namespace}/llmdeployments/{name}"
     try:
