@@ -92,6 +92,13 @@ def operator_ready(kube) -> list[dict]:
         c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]
 
 
+def earlier_install_gone(kube) -> bool:
+    """No pod of an earlier install is left in OPERATOR_NS, or the namespace is gone: a
+    reinstall deletes the chart's objects and keeps the namespace (installed_operator)."""
+    ns = f"/api/v1/namespaces/{OPERATOR_NS}"
+    return kube.get(ns, ok404=True) is None or not kube.get(f"{ns}/pods")["items"]
+
+
 def operator_leader(kube) -> dict:
     """The Ready operator pod that holds the leader-election Lease (the chart runs two)."""
     lease = kube.get(f"/apis/coordination.k8s.io/v1/namespaces/{OPERATOR_NS}/leases/{RELEASE}", ok404=True)
@@ -146,8 +153,7 @@ def installed_operator(cluster, wait_for, resync_interval: float = 10, values: d
              or kube.get(f"/api/v1/namespaces/{OPERATOR_NS}")["status"].get("phase") != "Terminating",
              timeout=120, what=f"namespace {OPERATOR_NS} to finish terminating")
     cluster.create_namespace(OPERATOR_NS)
-    wait_for(lambda: not kube.get(f"/api/v1/namespaces/{OPERATOR_NS}/pods")["items"], timeout=120,
-             what="the last install's operator pods to be gone")
+    wait_for(lambda: earlier_install_gone(kube), timeout=120, what="the last install's operator pods to be gone")
     # A leader killed without releasing its Lease would hold the new pods back until it expires.
     cluster.kubectl("delete", "lease", "--all", "-n", OPERATOR_NS, check=False)
     cluster.restore_images()

@@ -14,7 +14,8 @@ import pytest
 import kvsession as ks
 from localcluster.build import KVPILOT_OPERATOR_IMAGE
 from localcluster.kubeletnode import Ctr
-from test_operator import CHART, OPERATOR_NS, RELEASE, diagnose, helm_binary, operator_ready
+from test_operator import (CHART, OPERATOR_NS, RELEASE, diagnose, earlier_install_gone, helm_binary,
+                           operator_ready)
 
 pytestmark = pytest.mark.e2e
 SPOILS_OPERATOR = True  # the release is helm's own: the next module installs afresh
@@ -37,9 +38,7 @@ def release(cluster, shared_operator, wait_for):
         pytest.skip("the local cluster runs without Prometheus")
     shared_operator.release()  # this module's install is helm's, under the same name
     kube = cluster.kube()
-    # The shared install leaves its namespace (test_operator.installed_operator): its pods go.
-    wait_for(lambda: kube.get(f"/api/v1/namespaces/{OPERATOR_NS}", ok404=True) is None
-             or not kube.get(f"/api/v1/namespaces/{OPERATOR_NS}/pods")["items"], timeout=180,
+    wait_for(lambda: earlier_install_gone(kube), timeout=180,
              what=f"the shared install's pods in {OPERATOR_NS} to be gone")
     ctr = Ctr(Path(cluster.state["containerd_bin"]), Path(cluster.state["containerd_socket"]))
     new_ref = KVPILOT_OPERATOR_IMAGE.rsplit(":", 1)[0] + f":{NEW_TAG}"
