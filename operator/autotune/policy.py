@@ -19,7 +19,8 @@ Order of business each interval:
    deployment (planner.py, planned.py) sizes replicas and max_num_seqs for TPOT, scheduler, hardware
    and healthy intervals instead of the fixed-ratio steps;
 8. when that rule changes nothing, speculation that would earn more is turned up a step;
-9. a scale-out for what the window shows adds only the replicas that can pay (payoff.py).
+9. a scale-out for what the window shows adds only the replicas that can pay, unless arrivals
+   outpace the fleet (payoff.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .decision import DEFAULT_THRESHOLDS, Action, Bounds, Decision, Diagnosis, S
 from .forecast import ahead_of_load, holds_capacity
 from .history import History
 from .memory import PRESSURE, QUEUE_BOUND, blocked_move, broken_width, cap_in_window
-from .payoff import replicas_that_pay
+from .payoff import outpaced, replicas_that_pay
 from .planned import PLANNED, plan_from_history, planned_change, scale_out_in_cooldown
 from .scale_in import scale_in_when_calm, scale_in_when_idle
 from .signals import MetricsSnapshot
@@ -70,6 +71,7 @@ def decide(
 
     verdict = judge_last_change(snapshot, current, bounds, history, now, thresholds)
     urgent = _urgent_scale_out(diagnosis, snapshot, current, bounds, history, thresholds)
+    overload = outpaced(snapshot, thresholds) if urgent is not None else None
     # Replicas a rise seen a period ago will need (forecast.py): they start now, a pod's
     # start-up ahead of it; like a scale-out for a queue, nothing else holds them back.
     ahead = ahead_of_load(snapshot, current, bounds, history, now, thresholds)
@@ -77,7 +79,8 @@ def decide(
     beside = beside_scale_out(diagnosis, snapshot, current, bounds, history, now, thresholds)
     if verdict.wait:
         if urgent is not None:  # judging a setting never keeps capacity from a building queue
-            return _change(now, snapshot, thresholds, urgent, f"{evidence}; {verdict.wait}, but requests queue")
+            return _change(now, snapshot, thresholds, urgent, f"{evidence}; {verdict.wait}, but requests queue",
+                           overload=overload)
         if ahead is not None:
             return _change(now, snapshot, thresholds, ahead[:3] + (diagnosis,), f"{evidence}; {verdict.wait}",
                            forecast=True)
@@ -114,7 +117,8 @@ def decide(
         left = thresholds.cooldown_s - (now - last.decision.time)
         if urgent is not None and "replicas" not in last.decision.change:
             return _change(now, snapshot, thresholds, urgent, f"{evidence}; cooldown after "
-                           f"{fmt_change(last.decision.change)}, but requests queue", verifies, verified)
+                           f"{fmt_change(last.decision.change)}, but requests queue", verifies, verified,
+                           overload=overload)
         if beside is not None:
             return _change(now, snapshot, thresholds, beside, f"{evidence}; cooldown after "
                            f"{fmt_change(last.decision.change)}, but a scale-out is never reverted", verifies, verified)
@@ -159,7 +163,7 @@ def decide(
     if kept:
         return hold(f"{evidence}; {kept}", planned)
     return _change(now, snapshot, thresholds, (change, target, extra, diagnosis), evidence, verifies, verified,
-                   planned)
+                   planned, overload=overload)
 
 
 # --- diagnosis --------------------------------------------------------------------------
@@ -354,13 +358,16 @@ def backlog_served(s: MetricsSnapshot, t: Thresholds) -> str | None:
 
 
 def _change(now: float, s: MetricsSnapshot, t: Thresholds, proposal, evidence: str, verifies=None, verified=None,
-            planned: int | None = None, forecast: bool = False) -> Decision:
+            planned: int | None = None, forecast: bool = False, overload: str | None = None) -> Decision:
     """The Decision applying a proposal; a settings change keeps output tokens/s to be judged by.
     A scale-out for what the window shows adds only the replicas that can pay (payoff.py); one
-    a forecast asks for is judged by the load to come, not this window's."""
+    a forecast asks for, or one for arrivals that outpace the fleet (`overload`: why), is
+    judged by the load to come, not this window's."""
     change, target, extra, diagnosis = proposal
     old, new = change.get("replicas", (0, 0))
-    allowed, why = replicas_that_pay(s, t, old, new) if new > old and not forecast else (new, None)
+    allowed, why = replicas_that_pay(s, t, old, new) if new > old and not forecast and not overload else (new, None)
+    if overload and new > old:
+        extra = f"{extra}: {overload}"
     if why and allowed == old:
         return Decision(now, diagnosis, Action.HOLD, f"{evidence}; {extra}, but {why}",
                         verifies=verifies, verified=verified, planned_replicas=planned)
