@@ -64,6 +64,9 @@ class DecisionStatus(Model):
     baseline: Optional[float] = Field(default=None, description="The target signal's value when decided.")
     throughput_baseline: Optional[float] = Field(
         default=None, description="Output tokens/s when decided; the change is reverted if it loses more than 15%.")
+    good_per_replica: Optional[float] = Field(
+        default=None, ge=0, description="A scale-out's good requests/s per replica before it; its replicas go back "
+                                        "if, once they serve, the fleet makes clearly fewer.")
     verified: Optional[bool] = Field(default=None, description="Whether the change was checked against "
                                                              "its baseline (False: reverted).")
 
@@ -114,8 +117,9 @@ class SnapshotStatus(Model):
 
 
 class ModelMemory(Model):
-    """What autotune.controller Model keeps between passes: the windows it fitted on and
-    the replica counts it planned (a scale-in waits for a run of them)."""
+    """What the autotuner keeps between passes: the windows autotune.controller Model fitted on
+    and the replica counts it planned (a scale-in waits for a run of them), the season's rates,
+    and the good requests per replica a scale-out must beat."""
     fit: Optional[str] = Field(default=None, description="The fitted model, as a sentence.")
     observations: list[list[float]] = Field(
         default_factory=list, max_length=40,
@@ -128,6 +132,10 @@ class ModelMemory(Model):
     rates: list[list[float]] = Field(
         default_factory=list, max_length=128,
         description="With autotune.season: [unix time, request rate /s, serving replicas], oldest first.")
+    good_rates: list[list[float]] = Field(
+        default_factory=list, max_length=20,
+        description="[unix time, good requests/s per replica, replicas], one per interval, oldest first: "
+                    "what a scale-out is checked against.")
 
 
 class AdviceStatus(Model):

@@ -19,8 +19,8 @@ load paused (bursty traffic: every window holds idle seconds) still measures it,
 running and waiting means are diluted. Lowering the budget on such a window needs only
 enough requests finished in it (`tpot_min_requests`); the policy's hold for a window of
 steady load stays for every move read from those means. For the same reason a scale-out
-just made does not hold the lowering: that change is never reverted, so neither its
-verification nor its cooldown needs the budget to stay where it is, and a new replica takes
+just made does not hold the lowering: that change is not reverted for its signal, so neither
+its verification nor its cooldown needs the budget to stay where it is, and a new replica takes
 minutes to lower TPOT that a smaller chunk lowers at the next step."""
 
 from __future__ import annotations

@@ -107,6 +107,9 @@ class Thresholds:
     # fewer than this share meet the objectives; None: only when it can pay for itself.
     attainment: float | None = None
     payoff_min_requests: int = 50
+    # A scale-out that went ahead on the miss share goes back when its grown fleet makes more
+    # than this share fewer good requests/s per replica than before it (payoff.py).
+    payoff_verify_margin: float = 0.1
     ttft_enter_ratio: float = 0.5
     ttft_exit_ratio: float = 0.35
     ttft_scale_in_ratio: float = 0.5
@@ -216,6 +219,14 @@ class Thresholds:
     # K moves only when the model predicts at least this much more output per unit of step time.
     spec_gain_margin: float = 0.1
 
+    def ttft_pressure_level(self, queueing: bool) -> float | None:
+        """The queue-time p95 below which a queue is no pressure: a share of the TTFT objective
+        (None: no TTFT objective). Queue time, not TTFT: prefill, which no replica shortens, is
+        left out."""
+        if self.ttft_objective_s is None:
+            return None
+        return self.ttft_objective_s * (self.ttft_exit_ratio if queueing else self.ttft_enter_ratio)
+
 
 DEFAULT_THRESHOLDS = Thresholds()
 
@@ -233,6 +244,9 @@ class Decision:
     verifies: float | None = None  # time of the earlier change this decision judged
     verified: bool | None = None  # that judgement: True kept, False got worse, None inconclusive
     planned_replicas: int | None = None  # the deployment model's replica count this interval
+    # A scale-out's good requests/s per replica before it (payoff.py): the added replicas go
+    # back if, once they serve, the fleet makes clearly fewer per replica.
+    good_per_replica: float | None = None
 
     @property
     def changes_something(self) -> bool:

@@ -50,6 +50,7 @@ from .capacity import CapacityPlan, plan_capacity
 from .decision import Action, Bounds, Decision, Diagnosis, Range, Settings, Thresholds
 from .prometheus.fleet import FleetReader, FleetReaders
 from .forecast import record as record_rate
+from .payoff import record_good
 from .history import History
 from .planner import observation
 from .policy import decide
@@ -207,6 +208,7 @@ def autotune_step(ctx: AutotuneContext, *, reader_factory: ReaderFactory | None 
     if snap is not None:
         history = record_rate(history.observe(observation(snap, current.replicas)), snap, current.replicas,
                               thresholds).saw_pods(now, len(snap.pods))
+        history = record_good(history, snap, current.replicas, thresholds)
         decision = (_to_zero(reader, spec, owner, current, snap, history, now)
                     or decide(snap, current, bounds_for(spec), history, now, capacity=plan, thresholds=thresholds))
 

@@ -60,8 +60,8 @@ def distrust(model: StepModel, s: MetricsSnapshot, cur: Settings, t: Thresholds 
 def scale_out_in_cooldown(diagnosis: Diagnosis, cur: Settings, p: Plan | None, last: HistoryEntry,
                           now: float, t: Thresholds) -> bool:
     """A planned scale-out may follow an earlier scale-out inside the cooldown once that one's
-    replicas had time to start: adding capacity is never reverted, so it needs no verifying
-    window, and a burst does not wait."""
+    replicas had time to start: adding capacity is not reverted for its signal, so it needs no
+    verifying window, and a burst does not wait."""
     if p is None or diagnosis not in PRESSURE or "replicas" not in last.decision.change:
         return False
     old, new = last.decision.change["replicas"]
@@ -101,7 +101,7 @@ def planned_change(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, p: P
     if not change:
         return {}, None, f"plan: hold ({note}{p.reason})", diagnosis, p.replicas
     # A width change alone is verified as the rules' are; one with replicas is not (a
-    # scale-out is never reverted, a scale-in has waited for calm plans already).
+    # scale-out is not reverted for its signal, a scale-in has waited for calm plans already).
     target = None
     if "replicas" not in change:
         target = "tpot_p95_s" if change["max_num_seqs"][1] < cur.max_num_seqs else "num_waiting"

@@ -33,7 +33,7 @@ from .decision import DEFAULT_THRESHOLDS, Action, Bounds, Decision, Diagnosis, S
 from .forecast import ahead_of_load, holds_capacity
 from .history import History
 from .memory import PRESSURE, QUEUE_BOUND, blocked_move, broken_width, cap_in_window
-from .payoff import outpaced, replicas_that_pay
+from .payoff import Payoff, payoff_of, unpaid_scale_out
 from .planned import PLANNED, plan_from_history, planned_change, scale_out_in_cooldown
 from .scale_in import scale_in_when_calm, scale_in_when_idle
 from .signals import MetricsSnapshot
@@ -71,22 +71,25 @@ def decide(
 
     verdict = judge_last_change(snapshot, current, bounds, history, now, thresholds)
     urgent = _urgent_scale_out(diagnosis, snapshot, current, bounds, history, thresholds)
-    overload = outpaced(snapshot, thresholds) if urgent is not None else None
+    payoff = payoff_of(snapshot, current, history, thresholds, queueing=urgent is not None)
     # Replicas a rise seen a period ago will need (forecast.py): they start now, a pod's
     # start-up ahead of it; like a scale-out for a queue, nothing else holds them back.
     ahead = ahead_of_load(snapshot, current, bounds, history, now, thresholds)
-    # A smaller chunk for TPOT right after a scale-out: that change is never reverted (chunk.py).
+    # A smaller chunk for TPOT right after a scale-out: that change is not reverted for its signal (chunk.py).
     beside = beside_scale_out(diagnosis, snapshot, current, bounds, history, now, thresholds)
+    unpaid = None if payoff.outpaced else unpaid_scale_out(snapshot, current, history, thresholds)
+    if unpaid is not None:  # a replica that did not pay goes back whatever else is under way
+        return Decision(now, diagnosis, Action.REVERT, f"{evidence}; {unpaid[1]}", change=unpaid[0])
     if verdict.wait:
         if urgent is not None:  # judging a setting never keeps capacity from a building queue
             return _change(now, snapshot, thresholds, urgent, f"{evidence}; {verdict.wait}, but requests queue",
-                           overload=overload)
+                           payoff=payoff)
         if ahead is not None:
             return _change(now, snapshot, thresholds, ahead[:3] + (diagnosis,), f"{evidence}; {verdict.wait}",
                            forecast=True)
         if beside is not None:
             return _change(now, snapshot, thresholds, beside,
-                           f"{evidence}; {verdict.wait}, but a scale-out is never reverted")
+                           f"{evidence}; {verdict.wait}, but a scale-out is not reverted for its signal")
         return Decision(now, diagnosis, Action.HOLD, f"{evidence}; {verdict.wait}")
     if verdict.revert:
         return Decision(now, diagnosis, Action.REVERT, verdict.note, change=verdict.revert,
@@ -118,10 +121,10 @@ def decide(
         if urgent is not None and "replicas" not in last.decision.change:
             return _change(now, snapshot, thresholds, urgent, f"{evidence}; cooldown after "
                            f"{fmt_change(last.decision.change)}, but requests queue", verifies, verified,
-                           overload=overload)
+                           payoff=payoff)
         if beside is not None:
             return _change(now, snapshot, thresholds, beside, f"{evidence}; cooldown after "
-                           f"{fmt_change(last.decision.change)}, but a scale-out is never reverted", verifies, verified)
+                           f"{fmt_change(last.decision.change)}, but a scale-out is not reverted for its signal", verifies, verified)
         return hold(f"{evidence}; cooldown after {fmt_change(last.decision.change)}: {left:.0f}s left")
     planned, proposal = None, None
     if diagnosis in PRESSURE and snapshot.running_min is not None and snapshot.running_min < 0.5:
@@ -163,7 +166,7 @@ def decide(
     if kept:
         return hold(f"{evidence}; {kept}", planned)
     return _change(now, snapshot, thresholds, (change, target, extra, diagnosis), evidence, verifies, verified,
-                   planned, overload=overload)
+                   planned, payoff=payoff)
 
 
 # --- diagnosis --------------------------------------------------------------------------
@@ -218,7 +221,7 @@ def _diagnose_load(s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: H
     queueing = queue_p95 >= queue_level or s.num_waiting >= waiting_level
     if not queueing:
         return Diagnosis.HEALTHY, f"healthy: {queue}, {kv}, {s.preemptions_per_s:.2f} preemptions/s"
-    ttft_level = ttft_pressure_level(t, in_queue)
+    ttft_level = t.ttft_pressure_level(in_queue)
     if ttft_level is not None and queue_p95 < ttft_level:
         return Diagnosis.HEALTHY, (f"healthy: {queue}, a wait under {ttft_level:.2f}s of the {t.ttft_objective_s:g}s "
                                    f"TTFT objective: the queue costs no objective; {kv}")
@@ -321,9 +324,10 @@ def _urgent_scale_out(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, b
     """A scale-out that waits for nothing else: requests queue (at the enter levels) while
     TPOT is over its objective or no setting has headroom left (a narrower batch or smaller
     chunks would only lengthen the queue), for scale_out_windows intervals. A scale-out is
-    never reverted, so verifying an earlier settings change, or its cooldown, must not hold it."""
+    not reverted for its signal, so verifying an earlier settings change, or its cooldown, must
+    not hold it."""
     queueing = (s.queue_time_p95_s or 0.0) >= t.queue_enter_s or (s.num_waiting or 0.0) >= t.waiting_enter
-    ttft_level = ttft_pressure_level(t, False)  # a queue the TTFT objective absorbs is no emergency
+    ttft_level = t.ttft_pressure_level(False)  # a queue the TTFT objective absorbs is no emergency
     queueing = queueing and (ttft_level is None or (s.queue_time_p95_s or 0.0) >= ttft_level)
     # A queue already draining (fewer waiting now than on average over the window, or next to
     # none: queue p95 still counts the waits of a backlog just served) is being served by the
@@ -335,15 +339,6 @@ def _urgent_scale_out(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, b
         return None
     out = _scale_out(cur, bounds, history, s, t, "", diagnosis)
     return out if out[0] else None
-
-
-def ttft_pressure_level(t: Thresholds, queueing: bool) -> float | None:
-    """The queue-time p95 below which a queue is no pressure: a share of the TTFT objective
-    (None: no TTFT objective). Queue time, not TTFT: prefill, which no replica shortens, is
-    left out."""
-    if t.ttft_objective_s is None:
-        return None
-    return t.ttft_objective_s * (t.ttft_exit_ratio if queueing else t.ttft_enter_ratio)
 
 
 def backlog_served(s: MetricsSnapshot, t: Thresholds) -> str | None:
@@ -358,25 +353,24 @@ def backlog_served(s: MetricsSnapshot, t: Thresholds) -> str | None:
 
 
 def _change(now: float, s: MetricsSnapshot, t: Thresholds, proposal, evidence: str, verifies=None, verified=None,
-            planned: int | None = None, forecast: bool = False, overload: str | None = None) -> Decision:
+            planned: int | None = None, forecast: bool = False, payoff: Payoff = Payoff()) -> Decision:
     """The Decision applying a proposal; a settings change keeps output tokens/s to be judged by.
-    A scale-out for what the window shows adds only the replicas that can pay (payoff.py); one
-    a forecast asks for, or one for arrivals that outpace the fleet (`overload`: why), is
-    judged by the load to come, not this window's."""
+    A scale-out for what the window shows adds only the replicas that can pay, and keeps what
+    it is checked against (payoff.py); one a forecast asks for is judged by the load to come."""
     change, target, extra, diagnosis = proposal
     old, new = change.get("replicas", (0, 0))
-    allowed, why = replicas_that_pay(s, t, old, new) if new > old and not forecast and not overload else (new, None)
-    if overload and new > old:
-        extra = f"{extra}: {overload}"
-    if why and allowed == old:
-        return Decision(now, diagnosis, Action.HOLD, f"{evidence}; {extra}, but {why}",
-                        verifies=verifies, verified=verified, planned_replicas=planned)
-    if why:
-        change, extra = {**change, "replicas": (old, allowed)}, f"{extra}, but {why}"
+    good_before = None
+    if new > old and not forecast:
+        allowed, note, good_before = payoff.judge(s, t, old, new)
+        if allowed == old:
+            return Decision(now, diagnosis, Action.HOLD, f"{evidence}; {extra}{note}",
+                            verifies=verifies, verified=verified, planned_replicas=planned)
+        change, extra = {**change, "replicas": (old, allowed)}, f"{extra}{note}"
     guarded = target is not None and "replicas" not in change
     return Decision(now, diagnosis, Action.CHANGE, f"{evidence}; {extra}", change=change, target=target,
                     baseline=signal(s, target) if target else None, verifies=verifies, verified=verified,
-                    throughput_baseline=throughput_baseline(s, t) if guarded else None, planned_replicas=planned)
+                    throughput_baseline=throughput_baseline(s, t) if guarded else None, planned_replicas=planned,
+                    good_per_replica=good_before)
 
 
 def _scale_out(cur: Settings, bounds: Bounds, history: History, s: MetricsSnapshot, t: Thresholds,

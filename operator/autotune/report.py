@@ -38,6 +38,7 @@ def decision_status(d: Decision, applied: bool | None = None, verified: bool | N
         reason=d.reason, applied=applied, target=d.target,
         baseline=None if d.baseline is None else round(d.baseline, 4),
         throughput_baseline=None if d.throughput_baseline is None else round(d.throughput_baseline, 2),
+        good_per_replica=None if d.good_per_replica is None else round(d.good_per_replica, 4),
         verified=verified,
     )
 
@@ -77,7 +78,8 @@ def build_report(decision: Decision, history: History, snapshot: MetricsSnapshot
         capacity=capacity.to_status() if capacity else None,
         snapshot=snapshot_status(snapshot) if snapshot else None,
         model=(_model_status(history, decision.time)
-               if history.observations or history.plans or history.rates or history.pods else None),
+               if history.observations or history.plans or history.rates or history.pods or history.good_rates
+               else None),
         advice=advice or [],
     )
 
@@ -97,6 +99,7 @@ def _model_status(history: History, now: float) -> ModelMemory:
                       for o in history.observations],
         plans=[[t, n] for t, n in history.plans],
         rates=[[t, round(r, 4), n] for t, r, n in history.rates],
+        good_rates=[[t, round(g, 4), n] for t, g, n in history.good_rates],
         grown=[*history.grown, history.pods] if history.grown else ([history.pods] if history.pods else []))
 
 
@@ -115,6 +118,7 @@ def history_from_status(status: dict | None, limit: int = 20) -> History:
             time=_parse_time(item.time), diagnosis=Diagnosis(item.diagnosis), action=Action(item.action),
             reason=item.reason, change={to_snake(k): (v[0], v[1]) for k, v in item.change.items()},
             target=item.target, baseline=item.baseline, throughput_baseline=item.throughput_baseline,
+            good_per_replica=item.good_per_replica,
         )
         entries.append(HistoryEntry(d, applied=bool(item.applied),
                                     checked=item.verified is not None, verified=item.verified))
@@ -122,15 +126,17 @@ def history_from_status(status: dict | None, limit: int = 20) -> History:
     end = _parse_time(last.time) if last is not None and last.time is not None else 0.0
     n = len(report.recent_diagnoses)
     diagnoses = tuple((end - (n - 1 - i), Diagnosis(d)) for i, d in enumerate(report.recent_diagnoses))
-    observations, plans, rates, grown, pods = (), (), (), None, 0
+    observations, plans, rates, good_rates, grown, pods = (), (), (), (), None, 0
     if report.model is not None:
         observations = tuple(Observation(*row[:4]) for row in report.model.observations if len(row) >= 4)
         plans = tuple((row[0], int(row[1])) for row in report.model.plans if len(row) >= 2)
         rates = tuple((row[0], row[1], int(row[2])) for row in report.model.rates if len(row) >= 3)
+        good_rates = tuple((row[0], row[1], int(row[2])) for row in report.model.good_rates if len(row) >= 3)
         g = report.model.grown
         grown, pods = ((g[0], int(g[1])), int(g[2])) if len(g) == 3 else (None, int(g[0]) if g else 0)
     return History(entries=tuple(entries)[-limit:], diagnoses=diagnoses[-limit:], limit=limit,
-                   observations=observations, plans=plans, rates=rates, grown=grown, pods=pods)
+                   observations=observations, plans=plans, rates=rates, good_rates=good_rates, grown=grown,
+                   pods=pods)
 
 
 TABLE_HEADER = (f"{'time':<8} {'KV%':>5} {'preempt/s':>9} {'queue p95':>9} {'TTFT p95':>8} {'TPOT p95':>8} "

@@ -17,6 +17,7 @@ from kvpilot.engine.fleet.trace import TraceRequest
 
 from ..decision import Action, Bounds, Decision, Range, Settings, Thresholds
 from ..forecast import record as record_rate
+from ..payoff import record_good
 from ..history import History
 from ..hook import capacity_plan
 from ..planner import observation
@@ -182,6 +183,7 @@ class AutoController:
         plan = capacity_plan(snap, current)
         self.history = self.history.observe(observation(snap, current.replicas))
         self.history = record_rate(self.history, snap, current.replicas, tune.thresholds).saw_pods(t, len(snap.pods))
+        self.history = record_good(self.history, snap, current.replicas, tune.thresholds)
         bounds = with_spec_bounds(tune.bounds, fleet)
         decision = decide(snap, current, bounds, self.history, t, capacity=plan, thresholds=tune.thresholds)
         applied = tune.mode == "Auto" and decision.changes_something

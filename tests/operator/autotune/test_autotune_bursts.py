@@ -89,7 +89,7 @@ def test_a_scale_in_waits_while_requests_wait_now():
 
 def test_a_scale_out_just_made_does_not_hold_a_smaller_chunk():
     # The conversation trace at x4: a replica was added 15 s ago for a queue with TPOT over
-    # the objective; it is never reverted, so its verification and cooldown need not hold the
+    # the objective; it is not reverted for its signal, so its verification and cooldown need not hold the
     # smaller chunk that TPOT asks for (the new pod starts a minute later).
     added = Decision(T0 - 15, Diagnosis.TPOT_BOUND, Action.CHANGE, "queue", change={"replicas": (1, 2)},
                      target="queue_time_p95_s", baseline=1.5)
@@ -100,7 +100,7 @@ def test_a_scale_out_just_made_does_not_hold_a_smaller_chunk():
                 ttft_p95_s=2.3)
     d = decide(over, cur, BOUNDS, h, T0, thresholds=TPOT)
     assert d.change == {"max_num_batched_tokens": (4096, 2048)}, d.reason
-    assert "a scale-out is never reverted" in d.reason
+    assert "a scale-out is not reverted for its signal" in d.reason
     # A settings change just made still holds the next one for its verification.
     chunk = Decision(T0 - 15, Diagnosis.TPOT_BOUND, Action.CHANGE, "tpot", change={"max_num_batched_tokens": (8192, 4096)},
                      target="tpot_p95_s", baseline=0.06)
