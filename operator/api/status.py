@@ -65,8 +65,11 @@ class DecisionStatus(Model):
     throughput_baseline: Optional[float] = Field(
         default=None, description="Output tokens/s when decided; the change is reverted if it loses more than 15%.")
     good_per_replica: Optional[float] = Field(
-        default=None, ge=0, description="A scale-out's good requests/s per replica before it; its replicas go back "
-                                        "if, once they serve, the fleet makes clearly fewer.")
+        default=None, ge=0, description="Good requests/s per replica: a scale-out's before it (its replicas go back "
+                                        "if, once they serve, the fleet makes clearly fewer), or what the grown "
+                                        "fleet made, on that return.")
+    finished_per_replica: Optional[float] = Field(
+        default=None, ge=0, description="Finished requests/s per replica, when goodPerReplica was read.")
     verified: Optional[bool] = Field(default=None, description="Whether the change was checked against "
                                                              "its baseline (False: reverted).")
 
@@ -134,8 +137,8 @@ class ModelMemory(Model):
         description="With autotune.season: [unix time, request rate /s, serving replicas], oldest first.")
     good_rates: list[list[float]] = Field(
         default_factory=list, max_length=20,
-        description="[unix time, good requests/s per replica, replicas], one per interval, oldest first: "
-                    "what a scale-out is checked against.")
+        description="[unix time, good requests/s per replica, finished requests/s per replica, replicas], one "
+                    "per interval, oldest first: what a scale-out is checked against.")
 
 
 class AdviceStatus(Model):

@@ -110,6 +110,8 @@ class Thresholds:
     # A scale-out that went ahead on the miss share goes back when its grown fleet makes more
     # than this share fewer good requests/s per replica than before it (payoff.py).
     payoff_verify_margin: float = 0.1
+    # ... and the share of the misses it made good stands for the upper bound this long.
+    payoff_memory_s: float = 3600.0
     ttft_enter_ratio: float = 0.5
     ttft_exit_ratio: float = 0.35
     ttft_scale_in_ratio: float = 0.5
@@ -244,9 +246,11 @@ class Decision:
     verifies: float | None = None  # time of the earlier change this decision judged
     verified: bool | None = None  # that judgement: True kept, False got worse, None inconclusive
     planned_replicas: int | None = None  # the deployment model's replica count this interval
-    # A scale-out's good requests/s per replica before it (payoff.py): the added replicas go
-    # back if, once they serve, the fleet makes clearly fewer per replica.
+    # Good and finished requests/s per replica (payoff.py): a scale-out's before it (its replicas
+    # go back if, once they serve, the fleet makes clearly fewer good ones per replica); that
+    # return's, what the grown fleet made (how much of the misses a replica recovers).
     good_per_replica: float | None = None
+    finished_per_replica: float | None = None
 
     @property
     def changes_something(self) -> bool:

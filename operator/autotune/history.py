@@ -40,9 +40,9 @@ class History:
     # grown fleet served whole. None until a change of the count was seen.
     grown: tuple[float, int] | None = None
     pods: int = 0  # the pods reporting at the last interval
-    # (time, good requests/s per replica, replicas), one per interval, oldest first: what a
-    # scale-out is checked against (payoff.py).
-    good_rates: tuple[tuple[float, float, int], ...] = ()
+    # (time, good and finished requests/s per replica, replicas), one per interval, oldest
+    # first: what a scale-out is checked against (payoff.py).
+    good_rates: tuple[tuple[float, float, float, int], ...] = ()
     limit: int = 20
     observation_limit: int = 40
 
@@ -86,19 +86,18 @@ class History:
             plans = ()  # the run of plans is broken: a scale-in waits for a fresh one
         return replace(self, entries=entries[-self.limit:], diagnoses=diagnoses[-self.limit:], plans=plans)
 
-    def with_good(self, now: float, good: float | None, replicas: int) -> History:
-        if good is None:
-            return self
-        return replace(self, good_rates=(self.good_rates + ((now, good, replicas),))[-self.limit:])
+    def with_good(self, now: float, good: float, finished: float, replicas: int) -> History:
+        return replace(self, good_rates=(self.good_rates + ((now, good, finished, replicas),))[-self.limit:])
 
-    def recent_good(self, replicas: int) -> float | None:
-        """The mean good requests/s per replica over the latest run of intervals at `replicas`."""
+    def recent_good(self, replicas: int) -> tuple[float, float] | None:
+        """The mean (good, finished) requests/s per replica over the latest run of intervals at
+        `replicas`."""
         run = []
-        for _, good, r in reversed(self.good_rates):
+        for _, good, finished, r in reversed(self.good_rates):
             if r != replicas:
                 break
-            run.append(good)
-        return sum(run) / len(run) if run else None
+            run.append((good, finished))
+        return (sum(g for g, _ in run) / len(run), sum(f for _, f in run) / len(run)) if run else None
 
     def recent_plans(self, n: int) -> tuple[int, ...]:
         return tuple(r for _, r in self.plans[-n:]) if n > 0 else ()

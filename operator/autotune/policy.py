@@ -79,7 +79,9 @@ def decide(
     beside = beside_scale_out(diagnosis, snapshot, current, bounds, history, now, thresholds)
     unpaid = None if payoff.outpaced else unpaid_scale_out(snapshot, current, history, thresholds)
     if unpaid is not None:  # a replica that did not pay goes back whatever else is under way
-        return Decision(now, diagnosis, Action.REVERT, f"{evidence}; {unpaid[1]}", change=unpaid[0])
+        (change, why, (good, finished)) = unpaid
+        return Decision(now, diagnosis, Action.REVERT, f"{evidence}; {why}", change=change,
+                        good_per_replica=good, finished_per_replica=finished)
     if verdict.wait:
         if urgent is not None:  # judging a setting never keeps capacity from a building queue
             return _change(now, snapshot, thresholds, urgent, f"{evidence}; {verdict.wait}, but requests queue",
@@ -359,9 +361,9 @@ def _change(now: float, s: MetricsSnapshot, t: Thresholds, proposal, evidence: s
     it is checked against (payoff.py); one a forecast asks for is judged by the load to come."""
     change, target, extra, diagnosis = proposal
     old, new = change.get("replicas", (0, 0))
-    good_before = None
+    before = None
     if new > old and not forecast:
-        allowed, note, good_before = payoff.judge(s, t, old, new)
+        allowed, note, before = payoff.judge(s, t, old, new)
         if allowed == old:
             return Decision(now, diagnosis, Action.HOLD, f"{evidence}; {extra}{note}",
                             verifies=verifies, verified=verified, planned_replicas=planned)
@@ -370,7 +372,7 @@ def _change(now: float, s: MetricsSnapshot, t: Thresholds, proposal, evidence: s
     return Decision(now, diagnosis, Action.CHANGE, f"{evidence}; {extra}", change=change, target=target,
                     baseline=signal(s, target) if target else None, verifies=verifies, verified=verified,
                     throughput_baseline=throughput_baseline(s, t) if guarded else None, planned_replicas=planned,
-                    good_per_replica=good_before)
+                    good_per_replica=before[0] if before else None, finished_per_replica=before[1] if before else None)
 
 
 def _scale_out(cur: Settings, bounds: Bounds, history: History, s: MetricsSnapshot, t: Thresholds,

@@ -39,6 +39,7 @@ def decision_status(d: Decision, applied: bool | None = None, verified: bool | N
         baseline=None if d.baseline is None else round(d.baseline, 4),
         throughput_baseline=None if d.throughput_baseline is None else round(d.throughput_baseline, 2),
         good_per_replica=None if d.good_per_replica is None else round(d.good_per_replica, 4),
+        finished_per_replica=None if d.finished_per_replica is None else round(d.finished_per_replica, 4),
         verified=verified,
     )
 
@@ -99,7 +100,7 @@ def _model_status(history: History, now: float) -> ModelMemory:
                       for o in history.observations],
         plans=[[t, n] for t, n in history.plans],
         rates=[[t, round(r, 4), n] for t, r, n in history.rates],
-        good_rates=[[t, round(g, 4), n] for t, g, n in history.good_rates],
+        good_rates=[[t, round(g, 4), round(f, 4), n] for t, g, f, n in history.good_rates],
         grown=[*history.grown, history.pods] if history.grown else ([history.pods] if history.pods else []))
 
 
@@ -119,6 +120,7 @@ def history_from_status(status: dict | None, limit: int = 20) -> History:
             reason=item.reason, change={to_snake(k): (v[0], v[1]) for k, v in item.change.items()},
             target=item.target, baseline=item.baseline, throughput_baseline=item.throughput_baseline,
             good_per_replica=item.good_per_replica,
+            finished_per_replica=item.finished_per_replica,
         )
         entries.append(HistoryEntry(d, applied=bool(item.applied),
                                     checked=item.verified is not None, verified=item.verified))
@@ -131,7 +133,7 @@ def history_from_status(status: dict | None, limit: int = 20) -> History:
         observations = tuple(Observation(*row[:4]) for row in report.model.observations if len(row) >= 4)
         plans = tuple((row[0], int(row[1])) for row in report.model.plans if len(row) >= 2)
         rates = tuple((row[0], row[1], int(row[2])) for row in report.model.rates if len(row) >= 3)
-        good_rates = tuple((row[0], row[1], int(row[2])) for row in report.model.good_rates if len(row) >= 3)
+        good_rates = tuple((row[0], row[1], row[2], int(row[3])) for row in report.model.good_rates if len(row) >= 4)
         g = report.model.grown
         grown, pods = ((g[0], int(g[1])), int(g[2])) if len(g) == 3 else (None, int(g[0]) if g else 0)
     return History(entries=tuple(entries)[-limit:], diagnoses=diagnoses[-limit:], limit=limit,

@@ -176,9 +176,10 @@ def test_a_replica_that_did_not_pay_goes_back_and_is_not_added_again_at_once():
     assert any("replicas was reverted" in d.reason and "not retrying" in d.reason for d in later)
     # What the check read survives an operator restart (status.autotune is the only memory).
     restored = history_from_status(build_report(steps[-1][0], history).dump())
-    assert restored.good_rates == tuple((t, round(g, 4), n) for t, g, n in history.good_rates)
-    assert restored.entries[-1].decision.good_per_replica == pytest.approx(
-        history.entries[-1].decision.good_per_replica, abs=1e-4)
+    assert restored.good_rates == tuple((t, round(g, 4), round(f, 4), n) for t, g, f, n in history.good_rates)
+    for kept, read in zip(history.entries, restored.entries):
+        assert read.decision.good_per_replica == pytest.approx(kept.decision.good_per_replica, abs=1e-4)
+        assert read.decision.finished_per_replica == pytest.approx(kept.decision.finished_per_replica, abs=1e-4)
 
 
 def test_a_replica_that_paid_stays_and_is_judged_once():
@@ -192,3 +193,23 @@ def test_a_replica_that_paid_stays_and_is_judged_once():
     steps, _ = _served([MANY_MISSES] * 2 + [poor] * 14, CUR, t=replace(SLO, attainment=0.99))
     assert not [d for d, _ in steps if d.action is Action.REVERT]
     assert all(d.good_per_replica is None for d, _ in steps)
+
+
+def test_what_a_returned_replica_recovered_stands_for_the_upper_bound_next_time():
+    # The returned replica made good only part of the requests that missed before it. Once the
+    # flip back-off is over, the same 60 % missing no longer buys one (the line moves from 50 %
+    # to what that recovery needs); far more missing still does.
+    t = replace(SLO, flip_backoff_s=90.0)
+    after = _queued(num_waiting_now=12.0, **_ttft(1.5, 2.2, 3.0, 3.5))
+    worse = _queued(num_waiting_now=40.0, **_ttft(4.0, 5.0, 6.0, 7.0))
+    steps, _ = _served([MANY_MISSES] * 2 + [after] * 8 + [MANY_MISSES] * 10 + [worse] * 3, CUR, t=t)
+    back = next(d for d, _ in steps if d.action is Action.REVERT)
+    g0, f0 = good_per_replica(MANY_MISSES, t, 1), MANY_MISSES.request_rate_per_s
+    recovered = (2 * good_per_replica(after, t, 2) - g0) / (f0 - g0)
+    assert 0 < recovered < 0.7 and back.finished_per_replica == pytest.approx(after.request_rate_per_s / 2)
+    line = 1 / (1 + recovered)
+    assert miss_share(MANY_MISSES, t) < line < miss_share(worse, t)
+    held = [d for d, _ in steps[10:20] if f"made good {recovered:.0%} of the requests that missed" in d.reason]
+    assert held and f"only if more than {line:.0%} miss" in held[0].reason, [d.reason for d, _ in steps[10:20]]
+    assert all(r == 1 for _, r in steps[10:20])
+    assert steps[-1][1] == 2  # 40 waiting now, most requests missing: the replica can pay even so
