@@ -1,6 +1,7 @@
 """A scale-out adds only the replicas that can raise good requests per GPU-hour (payoff.py):
 at R replicas, k more only while more than k / (R + k) of the requests miss the objectives,
-unless the user's attainment asks for them."""
+unless the user's attainment asks for them or arrivals outpace the fleet. A scale-out that
+did not pay goes back, and what its replicas recovered stands for that bound afterwards."""
 
 from __future__ import annotations
 
@@ -159,7 +160,7 @@ def test_a_replica_that_did_not_pay_goes_back_and_is_not_added_again_at_once():
     # served a whole window, they make fewer good requests/s per replica than the one did (a
     # third of the requests still miss: long prompts whose prefill no replica shortens), so it
     # goes back. Mooncake's conversation trace at half its rate, 30-50 min, did this: 2,970 ->
-    # 3,665 good requests per GPU-hour (SIMULATED).
+    # 3,665 good requests per GPU-hour from this check alone (SIMULATED).
     after = _queued(num_waiting_now=12.0, **_ttft(1.5, 2.2, 3.0, 3.5))
     assert good_per_replica(after, SLO, 2) < 0.9 * good_per_replica(MANY_MISSES, SLO, 1)
     steps, history = _served([MANY_MISSES] * 2 + [after] * 14, CUR)
