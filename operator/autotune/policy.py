@@ -126,7 +126,8 @@ def decide(
                            payoff=payoff)
         if beside is not None:
             return _change(now, snapshot, thresholds, beside, f"{evidence}; cooldown after "
-                           f"{fmt_change(last.decision.change)}, but a scale-out is not reverted for its signal", verifies, verified)
+                           f"{fmt_change(last.decision.change)}, but a scale-out is not reverted for its signal",
+                           verifies, verified)
         return hold(f"{evidence}; cooldown after {fmt_change(last.decision.change)}: {left:.0f}s left")
     planned, proposal = None, None
     if diagnosis in PRESSURE and snapshot.running_min is not None and snapshot.running_min < 0.5:

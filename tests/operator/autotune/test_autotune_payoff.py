@@ -11,7 +11,8 @@ import pytest
 
 from kvpilot.operator.autotune import Action, Diagnosis, History, decide
 from kvpilot.operator.autotune.decision import Thresholds
-from kvpilot.operator.autotune.payoff import good_per_replica, miss_share, over_objective, record_good, replicas_that_pay
+from kvpilot.operator.autotune.payoff import (good_per_replica, miss_share, over_objective, record_good,
+                                               replicas_that_pay)
 from kvpilot.operator.autotune.report import build_report, history_from_status
 from kvpilot.operator.autotune.signals import PodSettings
 
