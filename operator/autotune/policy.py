@@ -6,7 +6,8 @@ Order of business each interval:
 2. missing or stale data -> NoData, no decision;
 3. the diagnosis, with hysteresis (enter/exit levels chosen by the last diagnosis);
 4. the last applied change is verified once a whole window after it is in (verify.py):
-   if the signal it targeted got worse, or it cost throughput, the answer is its revert;
+   if the signal it targeted got worse, or it cost throughput, the answer is its revert; a
+   scale-out that made fewer good requests per replica goes back first (payoff.py);
 5. holds: still verifying, pods not yet reporting the settings, cooldown, a window that
    is not all under load (ramp-up); neither that nor a scale-out's verification or cooldown
    holds a smaller chunk for TPOT (chunk.py);
@@ -19,8 +20,7 @@ Order of business each interval:
    deployment (planner.py, planned.py) sizes replicas and max_num_seqs for TPOT, scheduler, hardware
    and healthy intervals instead of the fixed-ratio steps;
 8. when that rule changes nothing, speculation that would earn more is turned up a step;
-9. a scale-out for what the window shows adds only the replicas that can pay, unless arrivals
-   outpace the fleet (payoff.py).
+9. a scale-out for what the window shows adds only the replicas that can pay (payoff.py).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def decide(
     # Replicas a rise seen a period ago will need (forecast.py): they start now, a pod's
     # start-up ahead of it; like a scale-out for a queue, nothing else holds them back.
     ahead = ahead_of_load(snapshot, current, bounds, history, now, thresholds)
-    # A smaller chunk for TPOT right after a scale-out: that change is not reverted for its signal (chunk.py).
+    # A smaller chunk for TPOT right after a scale-out, which is not reverted for its signal (chunk.py).
     beside = beside_scale_out(diagnosis, snapshot, current, bounds, history, now, thresholds)
     unpaid = None if payoff.outpaced else unpaid_scale_out(snapshot, current, history, thresholds)
     if unpaid is not None:  # a replica that did not pay goes back whatever else is under way

@@ -89,8 +89,8 @@ def test_a_scale_in_waits_while_requests_wait_now():
 
 def test_a_scale_out_just_made_does_not_hold_a_smaller_chunk():
     # The conversation trace at x4: a replica was added 15 s ago for a queue with TPOT over
-    # the objective; it is not reverted for its signal, so its verification and cooldown need not hold the
-    # smaller chunk that TPOT asks for (the new pod starts a minute later).
+    # the objective; it is not reverted for its signal, so its verification and cooldown need
+    # not hold the smaller chunk that TPOT asks for (the new pod starts a minute later).
     added = Decision(T0 - 15, Diagnosis.TPOT_BOUND, Action.CHANGE, "queue", change={"replicas": (1, 2)},
                      target="queue_time_p95_s", baseline=1.5)
     h = History().record(added, applied=True)
