@@ -324,20 +324,20 @@ def _act(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds: Bounds
 
 def _urgent_scale_out(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: History,
                       t: Thresholds):
-    """A scale-out that waits for nothing else: requests queue (at the enter levels) while
-    TPOT is over its objective or no setting has headroom left (a narrower batch or smaller
-    chunks would only lengthen the queue), for scale_out_windows intervals. A scale-out is
-    not reverted for its signal, so verifying an earlier settings change, or its cooldown, must
-    not hold it."""
+    """A scale-out that waits for nothing else: requests queue (at the enter levels) for
+    scale_out_windows intervals while TPOT is over its objective, no setting has headroom left
+    (a narrower batch or smaller chunks would only lengthen the queue) or a full cache preempts
+    (a narrower batch stops the recompute, not the shortage, and queues requests by itself: they
+    must wait now too). It is not reverted for its signal: no verification or cooldown holds it."""
     queueing = (s.queue_time_p95_s or 0.0) >= t.queue_enter_s or (s.num_waiting or 0.0) >= t.waiting_enter
     ttft_level = t.ttft_pressure_level(False)  # a queue the TTFT objective absorbs is no emergency
     queueing = queueing and (ttft_level is None or (s.queue_time_p95_s or 0.0) >= ttft_level)
-    # A queue already draining (fewer waiting now than on average over the window, or next to
-    # none: queue p95 still counts the waits of a backlog just served) is being served by the
-    # capacity there is: no more on top of it.
+    # A queue draining (fewer waiting now than on average, or next to none: queue p95 still
+    # counts a backlog just served) is served by the capacity there is: none on top of it.
     draining = s.num_waiting_now is not None and (s.num_waiting_now < (s.num_waiting or 0.0)
                                                   or s.num_waiting_now < t.waiting_exit)
-    if (diagnosis not in (Diagnosis.TPOT_BOUND, Diagnosis.HARDWARE_BOUND) or not queueing or draining
+    short = diagnosis is Diagnosis.PREEMPTION_BOUND and (s.num_waiting_now or 0.0) >= t.waiting_enter
+    if (not (short or diagnosis in (Diagnosis.TPOT_BOUND, Diagnosis.HARDWARE_BOUND)) or not queueing or draining
             or (s.pods and len(s.pods) < cur.replicas)):
         return None
     out = _scale_out(cur, bounds, history, s, t, "", diagnosis)

@@ -1,7 +1,8 @@
 """The autotuner does no harm, one failure class at a time: a model fitted from too few
 windows does not size capacity, a replica added by mistake is given back, LengthBound at
-its bound does not block a scale-out, and the chunk budget moves under prompt-heavy
-traffic."""
+its bound does not block a scale-out, a verification does not hold capacity from a growing
+queue (a narrower batch for preemptions included), and the chunk budget moves under
+prompt-heavy traffic."""
 
 from __future__ import annotations
 
@@ -209,6 +210,33 @@ def test_verifying_a_setting_does_not_hold_capacity_from_a_building_queue():
     calm = replace(queued, queue_time_p95_s=0.05, num_waiting=0.0)  # no queue: the verification holds
     d = decide(calm, cur, BOUNDS, history, T0, thresholds=t)
     assert d.action is Action.HOLD and "verifying" in d.reason
+
+
+def test_a_cache_too_small_for_the_load_gets_a_replica_while_a_narrower_batch_is_verified():
+    # Long prompts (the Mooncake conversation trace at 60-75 s): preemptions at a full cache
+    # narrowed max_num_seqs 256 -> 21. A narrower batch stops the recompute, not the shortage:
+    # while it is verified the queue grows past the TTFT objective, so a replica comes now.
+    t = Thresholds(tpot_objective_s=0.05, ttft_objective_s=2.0, cooldown_s=60.0)
+    cut = Decision(T0 - 15, Diagnosis.PREEMPTION_BOUND, Action.CHANGE, "earlier",
+                   change={"max_num_seqs": (256, 21)}, target="preemptions_per_s", baseline=0.4)
+    history = History()
+    for k in (3, 2):
+        history = history.record(Decision(T0 - 15 * k, Diagnosis.PREEMPTION_BOUND, Action.HOLD, "ramp"), applied=False)
+    history = history.record(cut, applied=True)
+    cur = replace(CUR, max_num_seqs=21)
+    full = snap(kv_usage_mean=0.98, kv_usage_max=1.0, preemptions_per_s=0.3, tpot_p95_s=0.074, num_running=43.0,
+                running_min=41.0, queue_time_p95_s=9.9, ttft_p95_s=18.4, num_waiting=14.3, num_waiting_now=17.0,
+                request_rate_per_s=2.0, prompt_tokens_per_s=30000.0, request_len_p99=21000.0)
+    assert replace(full, time=T0 + 15).preemptions_per_request >= t.preempt_per_request_exit
+    d = decide(full, cur, BOUNDS, history, T0, thresholds=t)
+    assert d.diagnosis is Diagnosis.PREEMPTION_BOUND
+    assert d.change == {"replicas": (1, 2)} and "verifying max_num_seqs 256 -> 21" in d.reason
+    assert "but requests queue" in d.reason
+    # A queue the TTFT objective absorbs, or one already draining, leaves the verification alone.
+    for calm in (replace(full, queue_time_p95_s=0.5, num_waiting=2.0, num_waiting_now=2.0),
+                 replace(full, num_waiting_now=3.0)):
+        d = decide(calm, cur, BOUNDS, history, T0, thresholds=t)
+        assert d.action is Action.HOLD and "verifying max_num_seqs 256 -> 21" in d.reason
 
 
 def test_a_replica_added_for_pressure_stays_while_the_load_does():
