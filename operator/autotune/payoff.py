@@ -28,7 +28,12 @@ every slot stayed busy the whole window (the running count never fell below
 `running_at_cap` x max_num_seqs per pod), arrivals outpace what the fleet serves: the queue and its wait
 only lengthen, and soon every request misses. Such a scale-out is not cut (`outpaced`): on
 the Azure conversation trace at four times its rate, one replica held for a window's 34 %
-went on to serve 0-9 % of the next two minutes' requests within the objectives.
+went on to serve 0-9 % of the next two minutes' requests within the objectives. The other way,
+when fewer wait now than on average over the window, the fleet as it is already serves the
+backlog the window's misses came from, and no replica is added for them (`draining`; replicas
+the user's attainment asks for excepted): on Mooncake's conversation trace, a third replica
+asked for in such a window stayed for the rest of the run, serving 13 % missing where two
+missed 18 %.
 
 The share is an upper bound on what a replica brings: some misses no replica recovers (prompts
 whose prefill alone takes longer than the objective, requests refused for length), and one
@@ -151,6 +156,7 @@ class Payoff:
     """What judges a scale-out this interval (`payoff_of`)."""
 
     outpaced: str | None = None  # arrivals outpace the fleet: add what is asked, and say why
+    draining: str | None = None  # the window's misses are a backlog being served: add nothing
     returned: str | None = None  # a scale-out that did not pay went back lately: not yet again
     # (good, finished) requests/s per replica over the recent intervals at this size
     before: tuple[float, float] | None = None
@@ -161,8 +167,8 @@ class Payoff:
         the scale-out will be checked against, or None when it will not be) for old -> new."""
         if self.outpaced:
             return new, f": {self.outpaced}", None
-        if self.returned:
-            return old, f", but {self.returned}", None
+        if self.returned or self.draining:
+            return old, f", but {self.returned or self.draining}", None
         allowed, why = replicas_that_pay(s, t, old, new, self.recovery)
         before = self.before
         if before is None and (good := good_per_replica(s, t, old)) is not None:
@@ -175,8 +181,21 @@ def payoff_of(s: MetricsSnapshot, cur: Settings, history: History, t: Thresholds
     """This interval's Payoff; `queueing`: the queue grows past the TTFT level (an urgent scale-out)."""
     if queueing and (why := outpaced(s, cur, t)):
         return Payoff(outpaced=why)
-    return Payoff(returned=blocked_move(history, "replicas", +1, s.time, t), before=history.recent_good(cur.replicas),
-                  recovery=learned_recovery(history, s.time, t))
+    return Payoff(returned=blocked_move(history, "replicas", +1, s.time, t), draining=draining(s, t),
+                  before=history.recent_good(cur.replicas), recovery=learned_recovery(history, s.time, t))
+
+
+def draining(s: MetricsSnapshot, t: Thresholds) -> str | None:
+    """Why the window's miss share overstates the misses to come (None when it need not): fewer
+    wait now than on average over the window, so the fleet as it is already serves the backlog
+    its misses came from (the urgent scale-out reads a shrinking queue the same way). Replicas
+    the user's attainment asks for are bought whatever the share."""
+    now, mean = s.num_waiting_now, s.num_waiting or 0.0
+    if (now is None or now >= mean or mean < t.waiting_enter or t.attainment is not None
+            or miss_share(s, t) is None):
+        return None
+    return (f"the queue is draining ({mean:.1f} waiting on average, {now:.0f} now): the window's misses came "
+            f"from a backlog the fleet as it is already serves, not from what it will go on missing")
 
 
 def unpaid_scale_out(s: MetricsSnapshot, cur: Settings, history: History,

@@ -29,7 +29,7 @@ def _ttft(p50, p75, p90, p95):
 def _queued(**kw):
     """A replica with a queue well past half the TTFT objective (a scale-out without the payoff
     rule: test_autotune_bursts), and TPOT well inside its objective."""
-    base = dict(queue_time_p95_s=1.6, num_waiting=20.0, num_waiting_now=12.0, num_running=20.0, running_min=5.0,
+    base = dict(queue_time_p95_s=1.6, num_waiting=12.0, num_waiting_now=12.0, num_running=20.0, running_min=5.0,
                 kv_usage_mean=0.05, kv_usage_max=0.1, prompt_tokens_per_s=500.0, generation_tokens_per_s=3000.0,
                 request_rate_per_s=5.0, **FAST_TPOT)
     base.update(kw)
@@ -127,6 +127,24 @@ def test_arrivals_that_outpace_the_fleet_get_the_replica_whatever_the_window_mis
     # A queue that drains (fewer waiting now than on average) is served by the fleet there is.
     draining = replace(outpaced, num_waiting=20.0, num_waiting_now=12.0)
     assert run_intervals([draining] * 6, cur, t=SLO)[1].replicas == 1
+
+
+def test_a_backlog_being_served_buys_no_replica():
+    # Nearly every request of the window missed, but the queue shrinks (17 waiting on average, 5
+    # now): the fleet as it is already serves the backlog those misses came from (Mooncake's
+    # conversation trace at 0.75 x its rate, 10-20 min: a third replica for such a window stayed
+    # ten minutes at 13 % missing, where two missed 18 %).
+    backlog = _queued(num_waiting=17.3, num_waiting_now=5.0, request_rate_per_s=2.8, **_ttft(20.0, 30.0, 35.0, 36.0))
+    assert miss_share(backlog, SLO) > 0.9
+    decisions, after = run_intervals([backlog] * 6, CUR, t=SLO)
+    assert after.replicas == 1
+    held = [d.reason for d in decisions if "the queue is draining" in d.reason]
+    assert held and "(17.3 waiting on average, 5 now)" in held[0] and "backlog the fleet as it is" in held[0]
+    # A queue that grows, or the user's attainment (bought with GPUs): the window's share stands.
+    grows = replace(backlog, num_waiting=3.0)
+    for still, t in ((grows, SLO), (backlog, replace(SLO, attainment=0.9))):
+        decisions, after = run_intervals([still] * 6, CUR, t=t)
+        assert after.replicas > 1 and not any("the queue is draining" in d.reason for d in decisions)
 
 
 def _served(windows, cur, t=SLO, startup_s=60.0):
