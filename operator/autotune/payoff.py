@@ -32,8 +32,8 @@ went on to serve 0-9 % of the next two minutes' requests within the objectives. 
 when fewer wait now than on average over the window, the fleet as it is already serves the
 backlog the window's misses came from, and no replica is added for them (`draining`; replicas
 the user's attainment asks for excepted): on Mooncake's conversation trace, a third replica
-asked for in such a window stayed for the rest of the run, serving 13 % missing where two
-missed 18 %.
+asked for in such a window stayed for the rest of the run, with about 13 % missing where two
+had 18 %.
 
 The share is an upper bound on what a replica brings: some misses no replica recovers (prompts
 whose prefill alone takes longer than the objective, requests refused for length), and one

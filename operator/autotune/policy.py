@@ -324,11 +324,11 @@ def _act(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds: Bounds
 
 def _urgent_scale_out(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: History,
                       t: Thresholds):
-    """A scale-out that waits for nothing else: requests queue (at the enter levels) for
-    scale_out_windows intervals while TPOT is over its objective, no setting has headroom left
-    (a narrower batch or smaller chunks would only lengthen the queue) or a full cache preempts
-    (a narrower batch stops the recompute, not the shortage, and queues requests by itself: they
-    must wait now too). It is not reverted for its signal: no verification or cooldown holds it."""
+    """A scale-out for requests queueing (at the enter levels) for scale_out_windows intervals
+    while TPOT is over its objective, no setting has headroom left (a narrower batch or smaller
+    chunks would only lengthen the queue) or a full cache preempts (a narrower batch stops the
+    recompute, not the shortage, and queues requests by itself: they must wait now too). Not
+    reverted for its signal, it waits for no verification, nor for a settings change's cooldown."""
     queueing = (s.queue_time_p95_s or 0.0) >= t.queue_enter_s or (s.num_waiting or 0.0) >= t.waiting_enter
     ttft_level = t.ttft_pressure_level(False)  # a queue the TTFT objective absorbs is no emergency
     queueing = queueing and (ttft_level is None or (s.queue_time_p95_s or 0.0) >= ttft_level)
