@@ -1,7 +1,7 @@
 """kvpilot's two images run as the operator runs them: uid 65532, read-only root filesystem,
 no capabilities, writable only at /tmp (a tmpfs) and /var/cache/kvpilot. kvpilot/operator
 (the operator, the gateway, simulated engine pods) holds no torch and stays under 300 MB;
-kvpilot/engine also runs the real engine.
+kvpilot/engine runs the real engine (and simulated pods too), without the operator's code.
 
 The images are built by e2e/image/build.sh (what `make image` runs; minutes the first time,
 instant when nothing changed), unpacked from their OCI archives with umoci, and run with runc
@@ -193,10 +193,15 @@ def test_the_image_runs_as_65532_from_its_own_settings(container: Container):
 
 
 def test_help_and_version(container: Container):
-    for sub in ("serve", "operator", "gateway"):
+    # The engine image holds the engine only: the operator's commands are the operator image's.
+    ours = ("serve", "operator", "gateway") if container.target == "operator" else ("serve", "fetch-model")
+    for sub in ours:
         out = container.run(sub, "--help")
         assert out.returncode == 0, out.stderr
         assert out.stdout.startswith(f"usage: kvpilot {sub}"), out.stdout
+    if container.target == "engine":
+        out = container.run("operator", "--help")
+        assert out.returncode == 2 and "invalid choice: 'operator'" in out.stderr, (out.stdout, out.stderr)
     out = container.run("--version")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"kvpilot {_version()}"

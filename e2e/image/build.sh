@@ -89,7 +89,7 @@ build_target() {
     local target=$1 name ref hash archive start cert secret=() deps
     name=kvpilot/$target:$version
     ref=docker.io/$name # the name containerd (and so the kubelet) will know it by
-    hash=$(inputs "$repo" "$here" "target $target ${bases_of[$target]} compression $compression" | sha256sum | cut -c1-12)
+    hash=$(inputs "$repo" "$here" "$target" "target $target ${bases_of[$target]} compression $compression" | sha256sum | cut -c1-12)
     archive=$cache/kvpilot-$target-$version-$hash.oci.tar
     if [[ -s $archive ]]; then
         log "up to date: $archive"
@@ -200,20 +200,22 @@ probe_overlay() {
     return $rc
 }
 
-# Hash lines for: exactly what the Containerfile copies (keep in step with its COPY lines),
-# the Containerfile and ignore file, these scripts (their flags shape the image), and $3.
+# Hash lines for: exactly what the Containerfile copies into target $3 (keep in step with its
+# COPY lines: the engine image holds no operator code), the Containerfile and ignore file,
+# these scripts (their flags shape the image), and $4.
 inputs() {
-    local repo=$1 here=$2
+    local repo=$1 here=$2 code=(engine kernels)
+    [[ $3 == engine ]] || code+=(operator)
     (
         cd "$repo"
         {
             printf '%s\n' Containerfile .dockerignore pyproject.toml
-            find engine kernels operator -type f ! -path '*/__pycache__/*' ! -name '*.pyc'
+            find "${code[@]}" -type f ! -path '*/__pycache__/*' ! -name '*.pyc'
             # Relative paths: the hash must not depend on where the clone is.
             find "${here#"$repo"/}" -maxdepth 1 -type f -name '*.sh'
         } | LC_ALL=C sort | tr '\n' '\0' | xargs -0 sha256sum
     )
-    echo "$3"
+    echo "$4"
 }
 
 # Older archives of this target beyond the newest $3, and the cached layers of earlier builds:
