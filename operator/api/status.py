@@ -106,6 +106,8 @@ class SnapshotStatus(Model):
     num_waiting: Optional[float] = Field(default=None, description="Requests waiting (mean).")
     num_running: Optional[float] = Field(default=None, description="Requests running (mean).")
     running_min: Optional[float] = Field(default=None, description="Running at the window's emptiest sample.")
+    running_busiest_pod: Optional[float] = Field(
+        default=None, description="Requests running on the busiest pod (mean): what its max_num_seqs caps.")
     request_rate_per_second: Optional[float] = Field(default=None, description="Requests finished per second.")
     request_latency_mean_seconds: Optional[float] = Field(default=None, description="Mean end-to-end request latency.")
     request_len_p99: Optional[float] = Field(default=None, description="p99 prompt plus output tokens.")

@@ -91,7 +91,7 @@ def planned_change(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, p: P
     # a queue is the replica count's to fix (a narrower batch would only lengthen it: TTFT
     # is half the objective too).
     direction = (p.max_num_seqs > cur.max_num_seqs) - (p.max_num_seqs < cur.max_num_seqs)
-    at_cap = s.running_per_pod(cur.replicas) >= t.running_at_cap * cap_in_window(s, cur, history)
+    at_cap = s.batch_width(cur.replicas) >= t.running_at_cap * cap_in_window(s, cur, history)
     queueing = (s.queue_time_p95_s or 0.0) >= t.queue_enter_s or s.num_waiting >= t.waiting_enter
     wanted = {-1} if diagnosis is Diagnosis.TPOT_BOUND and not queueing else set()
     if diagnosis in PRESSURE and at_cap and queueing:

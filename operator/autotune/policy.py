@@ -228,17 +228,17 @@ def _diagnose_load(s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: H
     if ttft_level is not None and queue_p95 < ttft_level:
         return Diagnosis.HEALTHY, (f"healthy: {queue}, a wait under {ttft_level:.2f}s of the {t.ttft_objective_s:g}s "
                                    f"TTFT objective: the queue costs no objective; {kv}")
-    # The cap binds only when the pods run about as many sequences as it allows: queueing
-    # with the cache and the cap both to spare (a burst of prompts waiting for the token
-    # budget) is no reason to raise it.
-    at_cap = s.running_per_pod(cur.replicas) >= t.running_at_cap * cap_in_window(s, cur, history)
+    # The cap binds only when a pod runs about as many sequences as it allows (the busiest:
+    # each pod queues its own): queueing with the cache and the cap both to spare (a burst
+    # of prompts waiting for the token budget) is no reason to raise it.
+    at_cap = (width := s.batch_width(cur.replicas)) >= t.running_at_cap * cap_in_window(s, cur, history)
     if s.kv_usage_max < low_level and at_cap:
         return Diagnosis.SCHEDULER_BOUND, (
-            f"{queue} while {kv} (peak < {low_level:.0%}) and {s.num_running:.1f} run: "
+            f"{queue} while {kv} (peak < {low_level:.0%}) and {width:.1f} run on the busiest pod: "
             f"max_num_seqs={cur.max_num_seqs} binds")
     if at_cap and s.kv_usage_mean < t.kv_full_exit:
         return Diagnosis.SCHEDULER_BOUND, (
-            f"{queue} while {s.num_running:.1f} run (max_num_seqs={cur.max_num_seqs}) and {kv}: "
+            f"{queue} while {width:.1f} run on the busiest pod (max_num_seqs={cur.max_num_seqs}) and {kv}: "
             f"the cap binds before the cache does")
     if s.kv_usage_mean >= full_level and len_target(s, cur, bounds, t) is not None:
         return Diagnosis.KV_CACHE_BOUND, (

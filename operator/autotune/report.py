@@ -55,6 +55,7 @@ def snapshot_status(s: MetricsSnapshot) -> SnapshotStatus:
         ttft_p95_seconds=r(s.ttft_p95_s), tpot_p95_seconds=r(s.tpot_p95_s),
         generation_tokens_per_second=r(s.generation_tokens_per_s),
         num_waiting=r(s.num_waiting), num_running=r(s.num_running), running_min=r(s.running_min),
+        running_busiest_pod=r(s.running_busiest_pod),
         request_rate_per_second=r(s.request_rate_per_s), request_latency_mean_seconds=r(s.request_latency_mean_s),
         request_len_p99=r(s.request_len_p99),
         prefix_hit_rate=r(s.prefix_hit_rate), length_refusals_per_second=r(s.length_refusals_per_s),

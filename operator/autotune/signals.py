@@ -84,6 +84,9 @@ class MetricsSnapshot:
     running_min: float | None = None
     num_waiting: float | None = None
     num_running: float | None = None
+    # The busiest pod's running count (window mean): each pod has its own queue and its own
+    # max_num_seqs, so a backlog on one pod binds its cap while a new pod beside it idles.
+    running_busiest_pod: float | None = None
     num_waiting_now: float | None = None  # at the window's end (the backlog a plan must also drain)
     prompt_tokens_per_s: float | None = None  # prompt tokens of finished requests per second
     tpot_mean_s: float | None = None  # mean over the window's finished requests of each one's TPOT
@@ -151,6 +154,13 @@ class MetricsSnapshot:
     def running_per_pod(self, replicas: int) -> float:
         """Sequences running on one serving pod (window mean): what max_num_seqs caps."""
         return (self.num_running or 0.0) / max(self.serving(replicas), 1)
+
+    def batch_width(self, replicas: int) -> float:
+        """The busiest serving pod's running count (window mean): the batch max_num_seqs caps
+        where it binds, and the width behind TPOT p95; the mean per pod where the busiest is
+        not known."""
+        mean = self.running_per_pod(replicas)
+        return mean if self.running_busiest_pod is None else max(mean, self.running_busiest_pod)
 
     def reported(self, setting: str) -> set[int]:
         """The distinct values of `setting` the pods report (those that export it)."""

@@ -158,6 +158,25 @@ def test_counts_are_per_serving_pod_not_per_replica_asked_for():
     assert d.change == {"max_num_seqs": (64, 6)} and "only 7.8 run at once per pod" in d.reason
 
 
+def test_a_backlog_on_one_pod_binds_its_cap_while_a_new_pod_idles():
+    """Each pod queues its own requests: after a scale-out, the first pod still runs its cap
+    over its backlog while the new one serves only its share of new arrivals. The mean per
+    pod (40 of 64) hides that; the busiest pod's count shows the cap binding there."""
+    cur = replace(CUR, replicas=2)
+    both = (PodSettings("tiny-0", 64, 2048), PodSettings("tiny-1", 64, 2048))
+    uneven = sched(CUR, pods=both, num_running=80.0)
+    d = run(uneven, cur=cur)  # stock vLLM labels no busiest pod: the mean is all there is
+    assert d.diagnosis is Diagnosis.HARDWARE_BOUND and "max_num_seqs" not in d.change
+    d = run(replace(uneven, running_busiest_pod=64.0), cur=cur)
+    assert d.diagnosis is Diagnosis.SCHEDULER_BOUND and d.change == {"max_num_seqs": (64, 96)}
+    assert "64.0 run on the busiest pod" in d.reason
+    # The TPOT p95 comes from the busiest pod too: a cut is scaled from its 64, not the mean
+    # 40 (at most half in one step: 32, where the mean would give 20).
+    t = Thresholds(tpot_objective_s=0.05)
+    tpot = replace(uneven, running_busiest_pod=64.0, tpot_p95_s=0.1, num_waiting=0.0, queue_time_p95_s=0.0)
+    assert run(tpot, cur=cur, thresholds=t).change == {"max_num_seqs": (64, 32)}
+
+
 def test_raise_never_exceeds_the_bound_or_max_num_batched_tokens():
     cur = replace(CUR, max_num_seqs=200)
     assert run(sched(cur), cur=cur).change == {"max_num_seqs": (200, 256)}

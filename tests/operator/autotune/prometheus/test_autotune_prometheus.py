@@ -87,6 +87,8 @@ def test_queries_use_the_exact_vllm_metric_names_and_the_selector():
     assert q["request_latency_mean_s"] == (f"sum(rate(vllm:e2e_request_latency_seconds_sum{{{SEL}}}[300s])) / "
                                            f"sum(rate(vllm:e2e_request_latency_seconds_count{{{SEL}}}[300s]))")
     assert q["running_min"] == f"sum(min_over_time(vllm:num_requests_running{{{SEL}}}[300s]))"
+    # The busiest pod's mean: each pod queues its own requests behind its own max_num_seqs.
+    assert q["running_busiest_pod"] == f"max(avg_over_time(vllm:num_requests_running{{{SEL}}}[300s]))"
     assert "vllm:request_prompt_tokens_bucket{" in q["request_len_p99"]
     assert "vllm:request_generation_tokens_bucket{" in q["request_len_p99"]
     assert q["request_len_p99"].count("histogram_quantile(0.995,") == 2

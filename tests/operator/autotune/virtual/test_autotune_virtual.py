@@ -112,6 +112,24 @@ def test_the_virtual_snapshot_reads_what_the_fleet_did():
     assert not snap.aborted_per_s  # no client gave up
 
 
+def test_the_virtual_snapshot_reads_the_busiest_pods_running_count():
+    """A backlog built on one replica stays in its queue when a second joins after the
+    arrivals: the busiest pod runs its cap while the mean per pod reads about half of it."""
+    trace = list(generate([Phase(duration=20, rate=20, input="uniform:500:1000", output="uniform:800:1000")],
+                          seed=2, max_len=8192))
+    fleet = _fleet(8)
+    prom = VirtualPrometheus()
+    fleet.on_scrape = prom.ingest
+    fleet.submit(trace)
+    fleet.run_until(30.0)
+    fleet.add_replica()
+    fleet.run_until(90.0)
+    from kvpilot.operator.autotune.prometheus.reader import PrometheusReader
+    snap = PrometheusReader(prom, scrape_interval_s=5).snapshot("sim", "sim", 60, at=fleet.now)
+    assert len(snap.pods) == 2 and snap.running_busiest_pod == pytest.approx(8.0, abs=0.5)
+    assert snap.running_per_pod(2) < 0.6 * 8 and snap.batch_width(2) == snap.running_busiest_pod
+
+
 def test_requests_whose_clients_give_up_read_as_aborted():
     # Three times what one replica serves, clients that wait 5 s for a first token.
     trace = list(generate([Phase(duration=70, rate=30, input="uniform:2000:4000", output="uniform:100:300")],
