@@ -61,8 +61,8 @@ def lower_seqs_for_tpot(s: MetricsSnapshot, cur: Settings, bounds: Bounds, t: Th
     """The batch width that brings TPOT to objective x tpot_target_ratio, supposing step
     time proportional to width (it has a fixed part too, so this cuts too little rather than
     too much; the next interval takes another step). The width is what runs on the busiest
-    pod (whose steps the p95 reads), not the cap above it; at most half of it in one step. None when one sequence already runs alone or
-    the bound stops it."""
+    pod (whose steps the p95 reads), not the cap above it; at most half of it in one step.
+    None when one sequence already runs alone or the bound stops it."""
     width = min(cur.max_num_seqs, s.batch_width(cur.replicas))
     if width < 2:
         return None
@@ -74,8 +74,8 @@ def lower_seqs_for_tpot(s: MetricsSnapshot, cur: Settings, bounds: Bounds, t: Th
 
 def tpot_room(s: MetricsSnapshot, cur: Settings, t: Thresholds) -> int | None:
     """The widest batch projected to keep TPOT p95 under objective x tpot_raise_ratio, TPOT
-    taken as proportional to the busiest pod's running width (which overstates the growth: cautious);
-    None without an objective or a TPOT reading."""
+    taken as proportional to the busiest pod's running width (which overstates the growth:
+    cautious); None without an objective or a TPOT reading."""
     if t.tpot_objective_s is None or not s.tpot_p95_s:
         return None
     width = max(1.0, min(cur.max_num_seqs, s.batch_width(cur.replicas)))
