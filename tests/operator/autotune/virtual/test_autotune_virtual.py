@@ -14,6 +14,7 @@ from kvpilot.engine.fleet.report import summarize
 from kvpilot.engine.fleet.trace import Phase, TraceRequest, generate
 from kvpilot.operator.autotune.decision import Bounds, Diagnosis, Range, Thresholds
 from kvpilot.operator.autotune.prometheus.queries import Target, build_freshness_queries, build_queries
+from kvpilot.operator.autotune.prometheus.reader import PrometheusReader
 from kvpilot.operator.autotune.virtual.promql_lite import TSDB, extrapolated_rate, histogram_quantile
 from kvpilot.operator.autotune.virtual.autotuner import AutotuneSettings, VirtualPrometheus, run_autotuned
 
@@ -91,15 +92,25 @@ def _fleet(seqs: int, accelerator: str = "h100-80gb", **kw) -> Fleet:
     return Fleet(cfg, scrape_interval=5, **kw)
 
 
+def _watched(fleet: Fleet) -> VirtualPrometheus:
+    """A virtual Prometheus that ingests every scrape of `fleet` from now on."""
+    prom = VirtualPrometheus()
+    fleet.on_scrape = prom.ingest
+    return prom
+
+
+def _read(prom: VirtualPrometheus, fleet: Fleet, window_s: float = 60):
+    """The operator's reader's snapshot of the `window_s` seconds ending at the fleet's now."""
+    return PrometheusReader(prom, scrape_interval_s=5).snapshot("sim", "sim", window_s, at=fleet.now)
+
+
 def test_the_virtual_snapshot_reads_what_the_fleet_did():
     trace = list(generate([Phase(duration=120, rate=6, input="uniform:200:1000", output="uniform:100:300")],
                           seed=2, max_len=8192))
     fleet = _fleet(64)
-    prom = VirtualPrometheus()
-    fleet.on_scrape = prom.ingest
+    prom = _watched(fleet)
     fleet.run(trace)
-    from kvpilot.operator.autotune.prometheus.reader import PrometheusReader
-    snap = PrometheusReader(prom, scrape_interval_s=5).snapshot("sim", "sim", 60, at=fleet.now)
+    snap = _read(prom, fleet)
     assert snap.no_data_reason() is None and not snap.stale
     finished_late = [r for r in fleet.requests if r.finished > fleet.now - 60]
     truth_rate = len(finished_late) / 60
@@ -118,14 +129,12 @@ def test_the_virtual_snapshot_reads_the_busiest_pods_running_count():
     trace = list(generate([Phase(duration=20, rate=20, input="uniform:500:1000", output="uniform:800:1000")],
                           seed=2, max_len=8192))
     fleet = _fleet(8)
-    prom = VirtualPrometheus()
-    fleet.on_scrape = prom.ingest
+    prom = _watched(fleet)
     fleet.submit(trace)
     fleet.run_until(30.0)
     fleet.add_replica()
     fleet.run_until(90.0)
-    from kvpilot.operator.autotune.prometheus.reader import PrometheusReader
-    snap = PrometheusReader(prom, scrape_interval_s=5).snapshot("sim", "sim", 60, at=fleet.now)
+    snap = _read(prom, fleet)
     assert len(snap.pods) == 2 and snap.running_busiest_pod == pytest.approx(8.0, abs=0.5)
     assert snap.running_per_pod(2) < 0.6 * 8 and snap.batch_width(2) == snap.running_busiest_pod
 
@@ -135,11 +144,9 @@ def test_requests_whose_clients_give_up_read_as_aborted():
     trace = list(generate([Phase(duration=70, rate=30, input="uniform:2000:4000", output="uniform:100:300")],
                           seed=2, max_len=8192))
     fleet = _fleet(8, client_timeout=5.0)
-    prom = VirtualPrometheus()
-    fleet.on_scrape = prom.ingest
+    prom = _watched(fleet)
     fleet.run(trace)
-    from kvpilot.operator.autotune.prometheus.reader import PrometheusReader
-    snap = PrometheusReader(prom, scrape_interval_s=5).snapshot("sim", "sim", 60, at=fleet.now)
+    snap = _read(prom, fleet)
     aborted = [r for r in fleet.requests if r.finish_reason == "abort" and r.finished > fleet.now - 60]
     assert aborted and snap.aborted_per_s == pytest.approx(len(aborted) / 60, rel=0.3)
 
@@ -148,11 +155,9 @@ def test_flex_requests_leave_the_tpot_objective_to_the_others():
     def snapshot(phases, window_s):
         trace = list(generate(phases, seed=3, max_len=8192))
         fleet = _fleet(64)
-        prom = VirtualPrometheus()
-        fleet.on_scrape = prom.ingest
+        prom = _watched(fleet)
         fleet.run(trace)
-        from kvpilot.operator.autotune.prometheus.reader import PrometheusReader
-        return PrometheusReader(prom, scrape_interval_s=5).snapshot("sim", "sim", window_s, at=fleet.now)
+        return _read(prom, fleet, window_s)
 
     shape = dict(duration=90, input="uniform:200:1000", output="uniform:100:300")
     mixed = snapshot([Phase(rate=3, **shape), Phase(rate=3, service_tier="flex", **shape)], 150)
