@@ -28,7 +28,11 @@ every slot stayed busy the whole window (the running count never fell below
 `running_at_cap` x max_num_seqs per pod), arrivals outpace what the fleet serves: the queue and its wait
 only lengthen, and soon every request misses. Such a scale-out is not cut (`outpaced`): on
 the Azure conversation trace at four times its rate, one replica held for a window's 34 %
-went on to serve 0-9 % of the next two minutes' requests within the objectives. The other way,
+went on to serve 0-9 % of the next two minutes' requests within the objectives. A load that
+climbs without a queue (the batch widens, TPOT crosses its objective for more requests each
+interval) outruns the window the same way: a share that rose at each of the last few intervals
+by more than it moves by chance is carried on at its pace over a replica's start-up before it
+is judged (`rising_share`). The other way,
 when fewer wait now than on average over the window, the fleet as it is already serves the
 backlog the window's misses came from, and no replica is added for them (`draining`; replicas
 the user's attainment asks for excepted): on Mooncake's conversation trace, a third replica
@@ -113,13 +117,14 @@ def outpaced(s: MetricsSnapshot, cur: Settings, t: Thresholds) -> str | None:
 
 
 def replicas_that_pay(s: MetricsSnapshot, t: Thresholds, old: int, new: int,
-                      recovery: float = 1.0) -> tuple[int, str | None]:
+                      recovery: float = 1.0, share: float | None = None) -> tuple[int, str | None]:
     """(replicas to go to, why fewer than `new`) for a scale-out old -> new: `new` (and None)
     when the added replicas can pay, or the user's attainment asks for them, or the miss
     share cannot be read; otherwise the most that can pay (old: none). `recovery`: the share
     of the misses added replicas make good (1: all of them, the upper bound; less once a
-    scale-out was seen to recover less, `learned_recovery`)."""
-    m = miss_share(s, t)
+    scale-out was seen to recover less, `learned_recovery`); `share`: the miss share to judge by
+    in place of the window's (`rising_share`)."""
+    m = miss_share(s, t) if share is None else share
     if m is None or m >= 1.0 or (t.attainment is not None and m > 1.0 - t.attainment):
         return new, None
     bound = recovery * m * old / (1.0 - m)  # k more pay only while k < f m R / (1 - m)
@@ -130,7 +135,8 @@ def replicas_that_pay(s: MetricsSnapshot, t: Thresholds, old: int, new: int,
     line = (new - old) / (new - old + recovery * old) if recovery > 0 else 1.0
     learnt = (f" (the last replicas added made good {recovery:.0%} of the requests that missed before them)"
               if recovery < 1.0 else "")
-    return old + k, (f"about {m:.0%} of the window's requests miss the objectives{asked}: with {old} "
+    whose = "of the requests" if share is not None else "of the window's requests"
+    return old + k, (f"about {m:.0%} {whose} miss the objectives{asked}: with {old} "
                      f"replica(s), {new - old} more can raise good requests per GPU-hour only if more "
                      f"than {line:.0%} miss{learnt}, so {'none' if k == 0 else k} added")
 
@@ -161,6 +167,7 @@ class Payoff:
     # (good, finished) requests/s per replica over the recent intervals at this size
     before: tuple[float, float] | None = None
     recovery: float = 1.0  # the share of misses the last returned scale-out made good
+    rising: tuple[float, str] | None = None  # (the miss share a start-up ahead, why): `rising_share`
 
     def judge(self, s: MetricsSnapshot, t: Thresholds, old: int, new: int) -> tuple[int, str, tuple | None]:
         """(replicas to go to, a note for the reason, the (good, finished) requests/s per replica
@@ -169,7 +176,10 @@ class Payoff:
             return new, f": {self.outpaced}", None
         if self.returned or self.draining:
             return old, f", but {self.returned or self.draining}", None
-        allowed, why = replicas_that_pay(s, t, old, new, self.recovery)
+        share = self.rising[0] if self.rising else None
+        allowed, why = replicas_that_pay(s, t, old, new, self.recovery, share)
+        if self.rising and (allowed > old or why):
+            why = f"{self.rising[1]}" + (f"; {why}" if why else "")
         before = self.before
         if before is None and (good := good_per_replica(s, t, old)) is not None:
             before = (good, s.request_rate_per_s / old)
@@ -182,7 +192,46 @@ def payoff_of(s: MetricsSnapshot, cur: Settings, history: History, t: Thresholds
     if queueing and (why := outpaced(s, cur, t)):
         return Payoff(outpaced=why)
     return Payoff(returned=blocked_move(history, "replicas", +1, s.time, t), draining=draining(s, t),
-                  before=history.recent_good(cur.replicas), recovery=learned_recovery(history, s.time, t))
+                  before=history.recent_good(cur.replicas), recovery=learned_recovery(history, s.time, t),
+                  rising=rising_share(history, s, cur.replicas, t))
+
+
+def rising_share(history: History, s: MetricsSnapshot, replicas: int, t: Thresholds) -> tuple[float, str] | None:
+    """(the miss share a new replica's start-up ahead, why) when the share rose at each of the
+    last `payoff_trend_points` intervals at this size, by more than it moves by chance; None
+    otherwise. A replica added now serves from `forecast_lead_s` on; while the share climbs,
+    the window's own stands for less than the minutes that replica will serve (on the Azure
+    conversation trace at three times its rate, one replica's share went 0 -> 17 -> 27 % in
+    30 s and nearly every request missed the two minutes after), so the share is carried on at
+    its pace over that lead."""
+    n = t.payoff_trend_points
+    pts = [(when, 1.0 - good / finished, finished * r * s.window_s)  # (time, share, requests)
+           for when, good, finished, r in history.good_rates if r == replicas and finished > 0]
+    trend, earlier = pts[-n:], [m for _, m, _ in pts[:-n]]
+    if n < 2 or len(trend) < n or trend[-1][0] != s.time or trend[-1][0] <= trend[0][0]:
+        return None
+    shares = [m for _, m, _ in trend]
+    if any(b <= a for a, b in zip(shares, shares[1:])):
+        return None
+    # By chance: the larger of a share's sampling error over the window's requests (the first
+    # and last windows of the trend taken as independent draws) and how far apart two of the windows before
+    # it lie (misses come in clusters: one long prompt stretches every running request's TPOT
+    # at once, so the requests are not independent draws). Without enough of those windows the
+    # noise is unknown, and the window's share stands.
+    if len(earlier) < t.payoff_trend_min_history:
+        return None
+    sampling = math.sqrt(sum(m * (1.0 - m) / max(count, 1.0) for _, m, count in (trend[0], trend[-1])))
+    mean = sum(earlier) / len(earlier)
+    drift = math.sqrt(2.0 * sum((m - mean) ** 2 for m in earlier) / (len(earlier) - 1))
+    rise, noise = shares[-1] - shares[0], max(sampling, drift)
+    if rise <= t.payoff_trend_z * noise:
+        return None
+    ahead = min(1.0, shares[-1] + rise / (trend[-1][0] - trend[0][0]) * t.forecast_lead_s)
+    chance = f"{rise / noise:.1f}x" if noise > 0 else "more than"
+    return ahead, (f"the miss share rose {' -> '.join(f'{m:.0%}' for m in shares)} over the last "
+                   f"{trend[-1][0] - trend[0][0]:.0f}s ({chance} what it moves by chance): "
+                   f"at that pace about {ahead:.0%} miss by the time a replica added now serves "
+                   f"({t.forecast_lead_s:.0f}s)")
 
 
 def draining(s: MetricsSnapshot, t: Thresholds) -> str | None:

@@ -233,3 +233,31 @@ def test_what_a_returned_replica_recovered_stands_for_the_upper_bound_next_time(
     assert held and f"only if more than {line:.0%} miss" in held[0].reason, [d.reason for d, _ in steps[10:20]]
     assert all(r == 1 for _, r in steps[10:20])
     assert steps[-1][1] == 2  # 40 waiting now, most requests missing: the replica can pay even so
+
+
+def test_a_miss_share_climbing_faster_than_chance_is_judged_a_start_up_ahead():
+    # Eight steady windows with next to no misses, then the share climbs at each interval (a
+    # burst outgrowing one replica: the Azure conversation trace at three times its rate went
+    # 10 -> 17 -> 27 % and then missed nearly everything for two minutes). The last window
+    # alone (about 30 %) buys no second replica; at its pace over a replica's start-up, well
+    # over half will miss, and the replica is added now.
+    calm = _queued(**_ttft(0.5, 0.9, 1.4, 1.8))
+    climb = [_queued(**_ttft(*q)) for q in ((0.7, 1.2, 1.8, 2.3), (0.9, 1.5, 2.1, 2.7), (1.1, 1.8, 2.5, 3.2))]
+    shares = [miss_share(s, SLO) for s in [calm, *climb]]
+    assert shares == sorted(shares) and shares[-1] < 0.5
+    steps, _ = _served([calm] * 8 + climb, CUR)
+    added = steps[-1][0]
+    assert added.change == {"replicas": (1, 2)}, [d.reason for d, _ in steps]
+    assert "the miss share rose" in added.reason and "by the time a replica added now serves (75s)" in added.reason
+    assert all(r == 1 for _, r in steps[:-1])
+    # The same last window after steady ones: its own share stands, and the replica cannot pay.
+    steps, _ = _served([calm] * 8 + [climb[-1]] * 3, CUR)
+    assert steps[-1][1] == 1 and "only if more than 50% miss" in steps[-1][0].reason
+    # A share that swings as far by itself (misses in clusters: one long prompt stretches every
+    # running request's TPOT) has not shown a trend by rising three times.
+    swinging = [calm, climb[-1]] * 4
+    steps, _ = _served(swinging + climb, CUR)
+    assert steps[-1][1] == 1 and "the miss share rose" not in steps[-1][0].reason
+    # Too little history to know how far the share moves by chance: the window's share stands.
+    steps, _ = _served([calm] * 2 + climb, CUR)
+    assert steps[-1][1] == 1 and "the miss share rose" not in steps[-1][0].reason
