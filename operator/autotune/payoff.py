@@ -178,13 +178,13 @@ class Payoff:
             return old, f", but {self.returned or self.draining}", None
         share = self.rising[0] if self.rising else None
         allowed, why = replicas_that_pay(s, t, old, new, self.recovery, share)
-        if self.rising and (allowed > old or why):
-            why = f"{self.rising[1]}" + (f"; {why}" if why else "")
+        climb = self.rising[1] if self.rising else None  # the reason says it, whatever it allows
+        note = f", but {climb + '; ' if climb else ''}{why}" if why else (f": {climb}" if climb else "")
         before = self.before
         if before is None and (good := good_per_replica(s, t, old)) is not None:
             before = (good, s.request_rate_per_s / old)
         checked = allowed > old and t.attainment is None
-        return allowed, f", but {why}" if why else "", before if checked else None
+        return allowed, note, before if checked else None
 
 
 def payoff_of(s: MetricsSnapshot, cur: Settings, history: History, t: Thresholds, queueing: bool) -> Payoff:
@@ -201,9 +201,9 @@ def rising_share(history: History, s: MetricsSnapshot, replicas: int, t: Thresho
     last `payoff_trend_points` intervals at this size, by more than it moves by chance; None
     otherwise. A replica added now serves from `forecast_lead_s` on; while the share climbs,
     the window's own stands for less than the minutes that replica will serve (on the Azure
-    conversation trace at three times its rate, one replica's share went 0 -> 17 -> 27 % in
-    30 s and nearly every request missed the two minutes after), so the share is carried on at
-    its pace over that lead."""
+    conversation trace at three times its rate, one replica's share went 10 -> 17 -> 27 % in
+    30 s and nearly every request missed the two minutes after; a healthy window reads 10 %,
+    5 % above p95 of each objective), so the share is carried on at its pace over that lead."""
     n = t.payoff_trend_points
     pts = [(when, 1.0 - good / finished, finished * r * s.window_s)  # (time, share, requests)
            for when, good, finished, r in history.good_rates if r == replicas and finished > 0]
@@ -213,11 +213,11 @@ def rising_share(history: History, s: MetricsSnapshot, replicas: int, t: Thresho
     shares = [m for _, m, _ in trend]
     if any(b <= a for a, b in zip(shares, shares[1:])):
         return None
-    # By chance: the larger of a share's sampling error over the window's requests (the first
-    # and last windows of the trend taken as independent draws) and how far apart two of the windows before
-    # it lie (misses come in clusters: one long prompt stretches every running request's TPOT
-    # at once, so the requests are not independent draws). Without enough of those windows the
-    # noise is unknown, and the window's share stands.
+    # By chance: the larger of a share's sampling error over the window's requests (the
+    # trend's first and last windows taken as independent draws) and how far apart two of the
+    # windows before it lie (misses come in clusters: one long prompt stretches every running
+    # request's TPOT at once, so requests are not independent draws). Without enough of those
+    # windows the noise is unknown, and the window's share stands.
     if len(earlier) < t.payoff_trend_min_history:
         return None
     sampling = math.sqrt(sum(m * (1.0 - m) / max(count, 1.0) for _, m, count in (trend[0], trend[-1])))
