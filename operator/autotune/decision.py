@@ -112,8 +112,9 @@ class Thresholds:
     payoff_verify_margin: float = 0.1
     # ... and the share of the misses it made good stands for the upper bound this long.
     payoff_memory_s: float = 3600.0
-    # A miss share that rose at each of this many intervals in a row is carried on at its
-    # pace over a replica's start-up (forecast_lead_s) before judging a scale-out (payoff.py).
+    # A miss share that rose from interval to interval over this many intervals is carried on
+    # at its pace over a replica's start-up (forecast_lead_s) before judging a scale-out
+    # (payoff.py).
     payoff_trend_points: int = 3
     payoff_trend_z: float = 2.0  # ... by more than this many times it moves by chance,
     payoff_trend_min_history: int = 6  # ... known from this many earlier windows at least

@@ -30,8 +30,8 @@ only lengthen, and soon every request misses. Such a scale-out is not cut (`outp
 the Azure conversation trace at four times its rate, one replica held for a window's 34 %
 went on to serve 0-9 % of the next two minutes' requests within the objectives. A load that
 climbs without a queue (the batch widens, TPOT crosses its objective for more requests each
-interval) outruns the window the same way: a share that rose at each of the last few intervals
-by more than it moves by chance is carried on at its pace over a replica's start-up before it
+interval) outruns the window the same way: a share that kept rising over the last few intervals,
+by more than it moves by chance, is carried on at its pace over a replica's start-up before it
 is judged (`rising_share`). The other way,
 when fewer wait now than on average over the window, the fleet as it is already serves the
 backlog the window's misses came from, and no replica is added for them (`draining`; replicas
@@ -197,13 +197,14 @@ def payoff_of(s: MetricsSnapshot, cur: Settings, history: History, t: Thresholds
 
 
 def rising_share(history: History, s: MetricsSnapshot, replicas: int, t: Thresholds) -> tuple[float, str] | None:
-    """(the miss share a new replica's start-up ahead, why) when the share rose at each of the
-    last `payoff_trend_points` intervals at this size, by more than it moves by chance; None
-    otherwise. A replica added now serves from `forecast_lead_s` on; while the share climbs,
-    the window's own stands for less than the minutes that replica will serve (on the Azure
-    conversation trace at three times its rate, one replica's share went 10 -> 17 -> 27 % in
-    30 s and nearly every request missed the two minutes after; a healthy window reads 10 %,
-    5 % above p95 of each objective), so the share is carried on at its pace over that lead."""
+    """(the miss share a new replica's start-up ahead, why) when the share rose from interval
+    to interval over the last `payoff_trend_points` intervals at this size, and from the first
+    to the last by more than it moves by chance; None otherwise. A replica added now serves
+    from `forecast_lead_s` on; while the share climbs, the window's own stands for less than
+    the minutes that replica will serve (on the Azure conversation trace at three times its
+    rate, one replica's share went 10 -> 17 -> 27 % in 30 s and nearly every request missed
+    the two minutes after; a healthy window reads 10 %, 5 % above p95 of each objective), so
+    the share is carried on at its pace over that lead."""
     n = t.payoff_trend_points
     pts = [(when, 1.0 - good / finished, finished * r * s.window_s)  # (time, share, requests)
            for when, good, finished, r in history.good_rates if r == replicas and finished > 0]
