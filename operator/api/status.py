@@ -134,6 +134,10 @@ class ModelMemory(Model):
     grown: list[float] = Field(
         default_factory=list, max_length=3,
         description="[unix time, pods] when the pods reporting last grew, then the pods reporting now.")
+    startup_s: Optional[float] = Field(
+        default=None, ge=0, le=86400,
+        description="Seconds a replica took to start here (a scale-out to its pods reporting): how long "
+                    "a scale-in waits in calm intervals.")
     rates: list[list[float]] = Field(
         default_factory=list, max_length=128,
         description="With autotune.season: [unix time, request rate /s, serving replicas], oldest first.")

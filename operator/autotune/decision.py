@@ -181,10 +181,13 @@ class Thresholds:
     # A change whose target signal got worse is kept when output tokens/s rose by more than
     # this with requests still waiting: under an overload the queue grows whatever is done.
     throughput_gain_rel: float = 0.10
-    # The deployment model (planner.py) sizes replicas and max_num_seqs where it can; a
-    # scale-in it plans waits for this many calm intervals.
+    # The deployment model (planner.py) sizes replicas and max_num_seqs where it can.
     planner: bool = False
+    # A scale-in (the rules' or the model's) waits for calm intervals covering a replica's
+    # start-up as seen here, at least scale_in_min_windows; scale_in_windows before a start-up
+    # was seen (scale_in.py: calm_needed).
     scale_in_windows: int = 5
+    scale_in_min_windows: int = 3
     # The model sizes capacity only when fitted on this many windows, fitting them within
     # this relative error, agreeing with the TPOT the deployment shows within this much,
     # and certain to this much where it plans to go; otherwise the rules decide.

@@ -5,6 +5,7 @@ History, so the policy stays a pure function of its inputs."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from .decision import Action, Decision, Diagnosis
@@ -40,6 +41,9 @@ class History:
     # grown fleet served whole. None until a change of the count was seen.
     grown: tuple[float, int] | None = None
     pods: int = 0  # the pods reporting at the last interval
+    # Seconds from the last scale-out applied to the pods reporting growing after it: how long
+    # a replica takes to start here (a scale-in waits as long, scale_in.py). None until seen.
+    startup_s: float | None = None
     # (time, good and finished requests/s per replica, replicas), one per interval, oldest
     # first: what a scale-out is checked against (payoff.py).
     good_rates: tuple[tuple[float, float, float, int], ...] = ()
@@ -52,10 +56,21 @@ class History:
         return replace(self, observations=(self.observations + (obs,))[-self.observation_limit:])
 
     def saw_pods(self, now: float, n: int) -> History:
-        """This interval's count of pods reporting (0: none reported, nothing learnt)."""
+        """This interval's count of pods reporting (0: none reported, nothing learnt). Pods that
+        grow after a scale-out applied since they last grew time its start-up; pods that come
+        back on their own (a restart) time nothing."""
         if n <= 0 or n == self.pods:
             return self
-        return replace(self, pods=n, grown=(now, n) if self.pods and n > self.pods else self.grown)
+        if not self.pods or n < self.pods:
+            return replace(self, pods=n)
+        since = self.grown[0] if self.grown else -math.inf
+        startup = self.startup_s
+        for e in reversed(self.entries):
+            old, new = e.decision.change.get("replicas", (0, 0))
+            if e.applied and since < e.decision.time <= now and old < n <= new:
+                startup = now - e.decision.time
+                break
+        return replace(self, pods=n, grown=(now, n), startup_s=startup)
 
     def grown_within(self, now: float, window_s: float) -> float | None:
         """Seconds since the pods reporting grew, when that is less than a window ago."""

@@ -10,6 +10,7 @@ from .decision import Bounds, Diagnosis, Settings, Thresholds
 from .history import History, HistoryEntry
 from .memory import PRESSURE, blocked_move, cap_in_window
 from .planner import Plan, StepModel, fit, plan
+from .scale_in import calm_needed
 from .signals import MetricsSnapshot
 
 # Where the fitted deployment model sizes replicas and batch width; the other diagnoses
@@ -79,11 +80,12 @@ def planned_change(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, p: P
     elif p.replicas > cur.replicas:
         change["replicas"] = (cur.replicas, p.replicas)
     elif p.replicas < cur.replicas:
-        # Scale in only after scale_in_windows calm intervals that all planned fewer, and
-        # only as far as the highest of those plans (the HPA's stabilization, shortened).
-        calm = history.recent_diagnoses(t.scale_in_windows - 1)
-        earlier = history.recent_plans(t.scale_in_windows - 1)
-        if (len(calm) == len(earlier) == t.scale_in_windows - 1 and all(d not in PRESSURE for d in calm)
+        # Scale in only after calm intervals covering a replica's start-up (calm_needed) that
+        # all planned fewer, and only as far as the highest of those plans.
+        windows = calm_needed(history, s.window_s, t)[0]
+        calm = history.recent_diagnoses(windows - 1)
+        earlier = history.recent_plans(windows - 1)
+        if (len(calm) == len(earlier) == windows - 1 and all(d not in PRESSURE for d in calm)
                 and all(n < cur.replicas for n in earlier)):
             change["replicas"] = (cur.replicas, max([p.replicas, *earlier]))
     # The width moves only the way the diagnosis points: narrower for TPOT, wider when the

@@ -80,8 +80,8 @@ def build_report(decision: Decision, history: History, snapshot: MetricsSnapshot
         capacity=capacity.to_status() if capacity else None,
         snapshot=snapshot_status(snapshot) if snapshot else None,
         model=(_model_status(history, decision.time)
-               if history.observations or history.plans or history.rates or history.pods or history.good_rates
-               else None),
+               if (history.observations or history.plans or history.rates or history.pods or history.good_rates
+                   or history.startup_s is not None) else None),
         advice=advice or [],
     )
 
@@ -102,7 +102,8 @@ def _model_status(history: History, now: float) -> ModelMemory:
         plans=[[t, n] for t, n in history.plans],
         rates=[[t, round(r, 4), n] for t, r, n in history.rates],
         good_rates=[[t, round(g, 4), round(f, 4), n] for t, g, f, n in history.good_rates],
-        grown=[*history.grown, history.pods] if history.grown else ([history.pods] if history.pods else []))
+        grown=[*history.grown, history.pods] if history.grown else ([history.pods] if history.pods else []),
+        startup_s=None if history.startup_s is None else round(min(history.startup_s, 86400.0), 1))
 
 
 def history_from_status(status: dict | None, limit: int = 20) -> History:
@@ -129,7 +130,7 @@ def history_from_status(status: dict | None, limit: int = 20) -> History:
     end = _parse_time(last.time) if last is not None and last.time is not None else 0.0
     n = len(report.recent_diagnoses)
     diagnoses = tuple((end - (n - 1 - i), Diagnosis(d)) for i, d in enumerate(report.recent_diagnoses))
-    observations, plans, rates, good_rates, grown, pods = (), (), (), (), None, 0
+    observations, plans, rates, good_rates, grown, pods, startup = (), (), (), (), None, 0, None
     if report.model is not None:
         observations = tuple(Observation(*row[:4]) for row in report.model.observations if len(row) >= 4)
         plans = tuple((row[0], int(row[1])) for row in report.model.plans if len(row) >= 2)
@@ -137,9 +138,10 @@ def history_from_status(status: dict | None, limit: int = 20) -> History:
         good_rates = tuple((row[0], row[1], row[2], int(row[3])) for row in report.model.good_rates if len(row) >= 4)
         g = report.model.grown
         grown, pods = ((g[0], int(g[1])), int(g[2])) if len(g) == 3 else (None, int(g[0]) if g else 0)
+        startup = report.model.startup_s
     return History(entries=tuple(entries)[-limit:], diagnoses=diagnoses[-limit:], limit=limit,
                    observations=observations, plans=plans, rates=rates, good_rates=good_rates, grown=grown,
-                   pods=pods)
+                   pods=pods, startup_s=startup)
 
 
 TABLE_HEADER = (f"{'time':<8} {'KV%':>5} {'preempt/s':>9} {'queue p95':>9} {'TTFT p95':>8} {'TPOT p95':>8} "

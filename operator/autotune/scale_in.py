@@ -1,9 +1,9 @@
 """Capacity comes back when demand falls, by rule, without the deployment model. After
 `idle_windows` idle intervals one replica goes (never to zero by this rule). Otherwise the fewest
-replicas that would carry the load, in one move, once the deployment has been calm for
-`scale_in_windows` intervals (the stabilization, as the HPA's, whose default policy also
-goes to its recommendation at once) and the load of the replicas left would still sit well
-inside every limit it shows today.
+replicas that would carry the load, in one move, once the deployment has been calm for as
+long as a replica was seen to take to start (`calm_needed`: the stabilization, as the HPA's,
+whose default policy also goes to its recommendation at once) and the load of the replicas
+left would still sit well inside every limit it shows today.
 
 The projection is the plain share: with R replicas serving, R - k carry R / (R - k) of
 each pod's running sequences, KV cache and prompt tokens, and TPOT p95 is projected to grow
@@ -18,6 +18,8 @@ mistaken one goes within minutes of the load falling (or at once, if it was neve
 
 from __future__ import annotations
 
+import math
+
 from .decision import Bounds, Diagnosis, Settings, Thresholds
 from .history import History
 from .memory import PRESSURE
@@ -26,6 +28,25 @@ from .signals import MetricsSnapshot
 from .verify import ago
 
 CALM = (Diagnosis.HEALTHY, Diagnosis.IDLE)
+
+
+def calm_needed(history: History, window_s: float, t: Thresholds) -> tuple[int, str]:
+    """(the calm intervals a scale-in waits for, why that many). A replica given back and
+    needed again costs a start-up of missing capacity; holding one that is not needed costs
+    its GPU. Waiting as long as getting it back takes is the ski-rental rule: counting a
+    second of a replica idle as dear as a second of one missing, it never costs more than
+    twice the best wait in hindsight, whatever the load does next. So the calm
+    intervals cover a replica's start-up as seen here (`History.startup_s`: a minute in the
+    simulator, minutes on GPUs that load a model), at least `scale_in_min_windows` (one
+    window's calm is no trend) and at most the intervals the history keeps;
+    `scale_in_windows` until a start-up has been seen."""
+    if history.startup_s is None or len(history.diagnoses) < 2:
+        return t.scale_in_windows, ""
+    interval = max(history.diagnoses[-1][0] - history.diagnoses[-2][0], 1.0)
+    # n calm intervals see (n - 1) x interval + window_s seconds of calm
+    cover = 1 + math.ceil(max(history.startup_s - window_s, 0.0) / interval)
+    n = min(max(t.scale_in_min_windows, cover), history.limit)
+    return n, f" (a replica took {history.startup_s:.0f}s to start here)"
 
 
 def flipped(history: History, now: float, t: Thresholds, target: int) -> str | None:
@@ -73,9 +94,10 @@ def scale_in_when_calm(s: MetricsSnapshot, cur: Settings, bounds: Bounds, histor
     serving = s.serving(cur.replicas)
     if serving < cur.replicas:
         return {}, None, "replicas are still starting: no scale-in", Diagnosis.HEALTHY
-    earlier = history.recent_diagnoses(t.scale_in_windows - 1)
-    if len(earlier) < t.scale_in_windows - 1 or any(d not in CALM for d in earlier):
-        return {}, None, f"removing a replica once calm for {t.scale_in_windows} intervals", Diagnosis.HEALTHY
+    windows, why = calm_needed(history, s.window_s, t)
+    earlier = history.recent_diagnoses(windows - 1)
+    if len(earlier) < windows - 1 or any(d not in CALM for d in earlier):
+        return {}, None, f"removing a replica once calm for {windows} intervals{why}", Diagnosis.HEALTHY
     # A fitted model too uncertain to size capacity may still veto giving it back: its TPOT
     # with fewer replicas grows with the prompt load's share of each step.
     model = fit(history, now) if len(history.observations) >= 3 else None
@@ -86,7 +108,7 @@ def scale_in_when_calm(s: MetricsSnapshot, cur: Settings, bounds: Bounds, histor
             running = (s.num_running or 0.0) / serving * k
             return ({"replicas": (cur.replicas, target)}, None,
                     f"remove {'a replica' if target == cur.replicas - 1 else 'replicas'} {cur.replicas} -> {target}: "
-                    f"calm for {t.scale_in_windows} intervals, and {target} would carry {running:.1f} running each, "
+                    f"calm for {windows} intervals{why}, and {target} would carry {running:.1f} running each, "
                     f"KV peak ~{(s.kv_usage_max or 0) * k:.0%}", Diagnosis.HEALTHY)
     limits = limits_at(s, cur, history, now, t, cur.replicas - 1, serving, model)
     return {}, None, "keeping the replicas: with one fewer " + "; ".join(limits), Diagnosis.HEALTHY
