@@ -178,8 +178,12 @@ class Payoff:
             return old, f", but {self.returned or self.draining}", None
         share = self.rising[0] if self.rising else None
         allowed, why = replicas_that_pay(s, t, old, new, self.recovery, share)
-        climb = self.rising[1] if self.rising else None  # the reason says it, whatever it allows
-        note = f", but {climb + '; ' if climb else ''}{why}" if why else (f": {climb}" if climb else "")
+        # A climb is named whatever it allows: before the cut's reason, or as why all are added.
+        climb = self.rising[1] if self.rising else None
+        if why:
+            note = f", but {climb}; {why}" if climb else f", but {why}"
+        else:
+            note = f": {climb}" if climb else ""
         before = self.before
         if before is None and (good := good_per_replica(s, t, old)) is not None:
             before = (good, s.request_rate_per_s / old)
@@ -206,10 +210,12 @@ def rising_share(history: History, s: MetricsSnapshot, replicas: int, t: Thresho
     the two minutes after; a healthy window reads 10 %, 5 % above p95 of each objective), so
     the share is carried on at its pace over that lead."""
     n = t.payoff_trend_points
+    if n < 2:
+        return None
     pts = [(when, 1.0 - good / finished, finished * r * s.window_s)  # (time, share, requests)
            for when, good, finished, r in history.good_rates if r == replicas and finished > 0]
     trend, earlier = pts[-n:], [m for _, m, _ in pts[:-n]]
-    if n < 2 or len(trend) < n or trend[-1][0] != s.time or trend[-1][0] <= trend[0][0]:
+    if len(trend) < n or trend[-1][0] != s.time or trend[-1][0] <= trend[0][0]:
         return None
     shares = [m for _, m, _ in trend]
     if any(b <= a for a, b in zip(shares, shares[1:])):
