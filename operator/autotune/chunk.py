@@ -10,9 +10,9 @@ The diagnosis reads only what the pods export: the share of the tokens processed
 are prompt tokens (vllm:prompt_tokens_total against vllm:generation_tokens_total), TPOT
 p95 against the objective, and the queue. Lowered under TPOTBound with
 prompt-heavy traffic, before the batch is narrowed, in proportion to the excess (halved to
-quartered); raised (doubled, up to the bound)
-when requests queue while TPOT has room. A lowered budget is not raised again within
-flip_backoff_s, and each move is verified on its target signal like any other.
+quartered); raised (doubled, up to the bound) when requests queue while TPOT has room and
+still wait at the window's end. A lowered budget is not raised again within flip_backoff_s,
+and each move is verified on its target signal like any other.
 
 TPOT p95 is each finished request's own mean time per output token, so a window in which
 load paused (bursty traffic: every window holds idle seconds) still measures it, where the
@@ -89,7 +89,9 @@ def chunk_change(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds
     tpot_room = objective is None or (s.tpot_p95_s is not None and s.tpot_p95_s <= t.chunk_raise_tpot_ratio * objective)
     if diagnosis in QUEUE_BOUND and mbt < r.max and tpot_room and share >= t.chunk_prompt_share:
         new = min(r.max, mbt * 2)
-        if not blocked_move(history, SETTING, +1, now, t):
+        # A queue already served (queue p95 still reads it) is no reason: the raise would be
+        # verified on a queue that is gone, and its verification holds every other move.
+        if not blocked_move(history, SETTING, +1, now, t) and not s.backlog_served(t.waiting_exit):
             tpot = f"TPOT p95 {1000 * s.tpot_p95_s:.0f}ms has room" if s.tpot_p95_s is not None else "no TPOT objective"
             return ({SETTING: (mbt, new)}, "num_waiting",
                     f"raise max_num_batched_tokens {mbt} -> {new}: requests queue for prompt chunks "

@@ -344,17 +344,6 @@ def _urgent_scale_out(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, b
     return out if out[0] else None
 
 
-def backlog_served(s: MetricsSnapshot, t: Thresholds) -> str | None:
-    """Why the queue is no reason to add capacity (None when it is): next to nothing waits now.
-    Queue p95 (recorded as requests leave the queue) and mean waiting still show a backlog
-    already served; whether the fleet serves fast enough is for TPOT and the model's plan."""
-    now = s.num_waiting_now
-    if now is None or now >= t.waiting_exit:
-        return None
-    return (f"queue p95 {s.queue_time_p95_s or 0.0:.2f}s and {s.num_waiting or 0.0:.1f} waiting on average, "
-            f"but {now:.1f} waiting now: the backlog has been served, so no replica for it")
-
-
 def _change(now: float, s: MetricsSnapshot, t: Thresholds, proposal, evidence: str, verifies=None, verified=None,
             planned: int | None = None, forecast: bool = False, payoff: Payoff = Payoff()) -> Decision:
     """The Decision applying a proposal; a settings change keeps output tokens/s to be judged by.
@@ -380,8 +369,9 @@ def _scale_out(cur: Settings, bounds: Bounds, history: History, s: MetricsSnapsh
                note: str, diagnosis: Diagnosis, *, on_queue: bool = True):
     """A replica once pressure lasts; `on_queue`: the evidence is a queue, still there now."""
     prefix = f"{note}; " if note else ""
-    if on_queue and (served := backlog_served(s, t)):
-        return {}, None, f"{prefix}{served}", diagnosis
+    if on_queue and (served := s.backlog_served(t.waiting_exit)):
+        # Whether the fleet serves fast enough is for TPOT and the model's plan.
+        return {}, None, f"{prefix}{served}, so no replica for it", diagnosis
     if cur.hpa_owns_scale:
         return {}, None, f"{prefix}an HPA owns the replica count, so replicas are left to it", diagnosis
     if cur.replicas >= bounds.replicas.max:

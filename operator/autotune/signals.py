@@ -162,6 +162,16 @@ class MetricsSnapshot:
         mean = self.running_per_pod(replicas)
         return mean if self.running_busiest_pod is None else max(mean, self.running_busiest_pod)
 
+    def backlog_served(self, waiting_exit: float) -> str | None:
+        """Why the window's queue is no reason to move capacity or settings for it (None when
+        it is): next to nothing (under `waiting_exit`) waits now. Queue p95 (recorded as
+        requests leave the queue) and mean waiting still show a backlog already served."""
+        now = self.num_waiting_now
+        if now is None or now >= waiting_exit:
+            return None
+        return (f"queue p95 {self.queue_time_p95_s or 0.0:.2f}s and {self.num_waiting or 0.0:.1f} waiting on "
+                f"average, but {now:.1f} waiting now: the backlog has been served")
+
     def reported(self, setting: str) -> set[int]:
         """The distinct values of `setting` the pods report (those that export it)."""
         return {v for p in self.pods if (v := getattr(p, setting)) is not None}

@@ -140,9 +140,14 @@ def test_chunk_size_moves_under_prompt_heavy_traffic():
     # Prompts queue while TPOT has room: the budget goes back up.
     small = replace(CUR, max_num_batched_tokens=1024)
     queued = snap(prompt_tokens_per_s=20000.0, generation_tokens_per_s=150.0, queue_time_p95_s=3.0,
-                  num_waiting=20.0, kv_usage_mean=0.5, kv_usage_max=0.6, tpot_p95_s=0.02, num_running=8.0)
+                  num_waiting=20.0, num_waiting_now=20.0, kv_usage_mean=0.5, kv_usage_max=0.6, tpot_p95_s=0.02,
+                  num_running=8.0)
     d = decide(queued, small, BOUNDS, History(), T0, thresholds=t)
     assert d.change == {"max_num_batched_tokens": (1024, 2048)}
+    # The same window once its queue has been served (queue p95 still reads it): no raise, which
+    # would be verified on a queue that is gone and hold a scale-in for its verification.
+    d = decide(replace(queued, num_waiting_now=0.0), small, BOUNDS, History(), T0, thresholds=t)
+    assert "max_num_batched_tokens" not in d.change, d.reason
 
 
 def test_a_lowered_chunk_budget_is_not_raised_straight_back():
@@ -151,9 +156,13 @@ def test_a_lowered_chunk_budget_is_not_raised_straight_back():
                        change={"max_num_batched_tokens": (8192, 4096)}, target="tpot_p95_s", baseline=0.09)
     history = History().record(lowered, applied=True)
     queued = snap(prompt_tokens_per_s=20000.0, generation_tokens_per_s=150.0, queue_time_p95_s=3.0,
-                  num_waiting=20.0, kv_usage_mean=0.5, kv_usage_max=0.6, tpot_p95_s=0.02, num_running=8.0)
+                  num_waiting=20.0, num_waiting_now=20.0, kv_usage_mean=0.5, kv_usage_max=0.6, tpot_p95_s=0.02,
+                  num_running=8.0)
     d = decide(queued, replace(CUR, max_num_batched_tokens=4096), BOUNDS, history, T0, thresholds=t)
     assert "max_num_batched_tokens" not in d.change
+    # Without the lowering in its memory, the same window raises it.
+    d = decide(queued, replace(CUR, max_num_batched_tokens=4096), BOUNDS, History(), T0, thresholds=t)
+    assert d.change == {"max_num_batched_tokens": (4096, 8192)}, d.reason
 
 
 # --- the chunk budget as a live setting, end to end ---------------------------------------
