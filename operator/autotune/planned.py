@@ -96,7 +96,7 @@ def planned_change(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, p: P
     at_cap = s.batch_width(cur.replicas) >= t.running_at_cap * cap_in_window(s, cur, history)
     queueing = (s.queue_time_p95_s or 0.0) >= t.queue_enter_s or s.num_waiting >= t.waiting_enter
     wanted = {-1} if diagnosis is Diagnosis.TPOT_BOUND and not queueing else set()
-    if diagnosis in PRESSURE and at_cap and queueing:
+    if diagnosis in PRESSURE and at_cap and queueing and not s.backlog_served(t.waiting_exit):
         wanted.add(1)  # the cap holds back a queue the plan says the replicas can serve wider
     if direction in wanted and not blocked_move(history, "max_num_seqs", direction, now, t):
         change["max_num_seqs"] = (cur.max_num_seqs, p.max_num_seqs)

@@ -287,6 +287,9 @@ def _act(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds: Bounds
                     f"to aim at {t.tpot_target_ratio:g} x the objective)", diagnosis)
         note = blocked or f"max_num_seqs cannot go lower usefully (at {cur.max_num_seqs}, bound {bounds.max_num_seqs.min})"
         return _scale_out(cur, bounds, history, s, t, note, Diagnosis.HARDWARE_BOUND, on_queue=False)
+    # A queue already served (queue p95 still reads it) is no reason to move a setting for it:
+    # the move would be verified on a queue that is gone.
+    served = s.backlog_served(t.waiting_exit)
     if diagnosis is Diagnosis.SCHEDULER_BOUND:
         new = raise_seqs(s, cur, bounds, t)
         tpot_block = tpot_blocks_raise(s, cur, t)
@@ -297,19 +300,20 @@ def _act(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds: Bounds
             if new is None and not blocked:
                 blocked = (f"max_num_seqs {ceiling[0]} broke the TPOT objective or caused preemptions "
                            f"{ago(now, ceiling[1])}; not raising to it again yet")
-        if new is not None and not blocked:
+        if new is not None and not blocked and not served:
             # Judged by the number waiting, not queue p95: queue time is recorded when a
             # request leaves the queue, so right after a raise the whole backlog is admitted
             # at once and the window's p95 jumps because the change worked.
             return ({"max_num_seqs": (cur.max_num_seqs, new)}, "num_waiting",
                     f"raise max_num_seqs {cur.max_num_seqs} -> {new}", diagnosis)
-        note = blocked or f"max_num_seqs already at its limit {seqs_ceiling(cur, bounds)}"
+        # (_scale_out says so when the backlog has been served)
+        note = blocked or ("" if served else f"max_num_seqs already at its limit {seqs_ceiling(cur, bounds)}")
         # Too slow per step for a wider batch: the hardware, not the cap, is what binds.
         return _scale_out(cur, bounds, history, s, t, note, Diagnosis.HARDWARE_BOUND if tpot_block else diagnosis)
     if diagnosis is Diagnosis.KV_CACHE_BOUND:
         new = len_target(s, cur, bounds, t)
         blocked = blocked_move(history, "max_model_len", -1, now, t)
-        if not blocked:
+        if not blocked and not served:
             target = "queue_time_p95_s" if s.queue_time_p95_s is not None else "num_waiting"
             return ({"max_model_len": (cur.max_model_len, new)}, target,
                     f"lower max_model_len {cur.max_model_len} -> {new} "

@@ -137,3 +137,34 @@ def test_the_model_plans_for_arrivals_not_for_a_backlog_served_in_the_window():
     # a queue that grows is demand the served rate does not show, as before
     growing = replace(steady, num_waiting=100.0, num_waiting_now=400.0)
     assert plan(growing, cur, bounds, model, RULES).replicas > steady_plan.replicas
+
+
+# The settings the queue-bound diagnoses move, each as (diagnosis, settings, window, the move).
+MOVES = {
+    # the cap binds with the cache cool: raise max_num_seqs
+    "cap": (Diagnosis.SCHEDULER_BOUND, CUR, dict(num_running=64.0, kv_usage_mean=0.15, kv_usage_max=0.2),
+            "max_num_seqs"),
+    # a full cache with the p99 request far below max_model_len: lower it
+    "length": (Diagnosis.KV_CACHE_BOUND, CUR, dict(num_running=30.0, kv_usage_mean=0.95, kv_usage_max=0.99,
+                                                   request_len_p99=3000.0), "max_model_len"),
+    # prompts wait for chunks while TPOT has room: raise the chunk budget
+    "chunk": (Diagnosis.HARDWARE_BOUND, replace(CUR, max_num_batched_tokens=1024),
+              dict(num_running=20.0, prompt_tokens_per_s=20000.0, generation_tokens_per_s=150.0, tpot_p95_s=0.02),
+              "max_num_batched_tokens"),
+}
+
+
+@pytest.mark.parametrize("move", sorted(MOVES))
+def test_a_served_backlog_moves_no_setting_either(move):
+    # The same class as the replica: a move for a queue that is gone would be verified on a
+    # queue that is gone, and its verification would hold everything else (on the day, the
+    # chunk budget raised after the burst held six idle replicas for a minute).
+    earlier, cur, load, setting = MOVES[move]
+    history = past(earlier, earlier)
+    t = replace(RULES, cooldown_s=60.0)
+    bounds = replace(BOUNDS, max_num_batched_tokens=Range(512, 8192))
+    queueing = snap(**load, **QUEUED)
+    d = decide(queueing, cur, bounds, history, T0, thresholds=t)
+    assert d.diagnosis is earlier and setting in d.change, d.reason
+    d = decide(replace(queueing, num_waiting_now=0.0), cur, bounds, history, T0, thresholds=t)
+    assert setting not in d.change and "backlog has been served" in d.reason, d.reason
