@@ -107,6 +107,9 @@ class Thresholds:
     # fewer than this share meet the objectives; None: only when it can pay for itself.
     attainment: float | None = None
     payoff_min_requests: int = 50
+    # ... below it the share is judged at its upper confidence bound, this many standard
+    # errors above what the window reads (Wilson's score bound: sound at a handful of requests).
+    payoff_small_sample_z: float = 2.0
     # A scale-out that went ahead on the miss share goes back when its grown fleet makes more
     # than this share fewer good requests/s per replica than before it (payoff.py).
     payoff_verify_margin: float = 0.1

@@ -19,8 +19,10 @@ The miss share is read from what the pods export, not from the simulator's timin
 - requests aborted (a client that gave up), which record no first token;
 - requests waiting now further back than the finish rate serves within the TTFT objective:
   they will miss it, and no histogram holds them yet.
-No objective, an objective whose quantiles are not read, or fewer than `payoff_min_requests`
-finished in the window: no guard (the rules add the replica).
+No objective or an objective whose quantiles are not read: no guard (the rules add the
+replica). Fewer than `payoff_min_requests` finished in the window: the share is judged at its
+upper confidence bound (`share_upper_bound`), not left unguarded; at a quarter of Mooncake's
+conversation rate no window ever held 50 requests, and every scale-out went through.
 
 The window's share stands for the minutes to come only while the fleet keeps up with its
 arrivals. When requests queue past half the TTFT objective, the queue is not draining, and
@@ -87,8 +89,31 @@ def over_objective(s: MetricsSnapshot, kind: str, objective: float | None) -> fl
 def miss_share(s: MetricsSnapshot, t: Thresholds) -> float | None:
     """The share of the window's requests that missed (or will miss) the objectives: an upper
     bound (module docstring); None where it cannot be read or too few requests finished."""
+    read = share_read(s, t)
+    return None if read is None or read[1] < t.payoff_min_requests else read[0]
+
+
+def share_upper_bound(s: MetricsSnapshot, t: Thresholds) -> tuple[float, float, float] | None:
+    """(the miss share's upper confidence bound, the share read, the requests it was read
+    over) for a window with fewer than payoff_min_requests finished: too few to stand for the
+    minutes to come, too many to ignore. Wilson's score bound `payoff_small_sample_z` standard
+    errors up, which stays sound at a handful of requests (three without a miss still bound
+    it at 57 %). None where nothing can be read."""
+    read = share_read(s, t)
+    if read is None:
+        return None
+    m, n = read
+    z2 = t.payoff_small_sample_z ** 2
+    centre = m + z2 / (2 * n)
+    spread = t.payoff_small_sample_z * math.sqrt(m * (1 - m) / n + z2 / (4 * n * n))
+    return min(1.0, (centre + spread) / (1 + z2 / n)), m, n
+
+
+def share_read(s: MetricsSnapshot, t: Thresholds) -> tuple[float, float] | None:
+    """(the miss share, the requests it is over) for the window whatever their number; None
+    where it cannot be read or nothing finished."""
     finished = (s.request_rate_per_s or 0.0) * s.window_s
-    if finished < t.payoff_min_requests:
+    if finished <= 0:
         return None
     ttft = over_objective(s, "ttft", t.ttft_objective_s)
     tpot = over_objective(s, "tpot", t.tpot_objective_s)
@@ -101,7 +126,7 @@ def miss_share(s: MetricsSnapshot, t: Thresholds) -> float | None:
     late = 0.0
     if t.ttft_objective_s is not None and s.num_waiting_now is not None:
         late = max(0.0, s.num_waiting_now - s.request_rate_per_s * t.ttft_objective_s)
-    return (missed + late) / (finished + late)
+    return (missed + late) / (finished + late), finished + late
 
 
 def outpaced(s: MetricsSnapshot, cur: Settings, t: Thresholds) -> str | None:
@@ -125,6 +150,9 @@ def replicas_that_pay(s: MetricsSnapshot, t: Thresholds, old: int, new: int,
     scale-out was seen to recover less, `learned_recovery`); `share`: the miss share to judge by
     in place of the window's (`rising_share`)."""
     m = miss_share(s, t) if share is None else share
+    few = share_upper_bound(s, t) if m is None else None
+    if few is not None:  # judged at the most the share can be, not left unguarded
+        m = few[0]
     if m is None or m >= 1.0 or (t.attainment is not None and m > 1.0 - t.attainment):
         return new, None
     bound = recovery * m * old / (1.0 - m)  # k more pay only while k < f m R / (1 - m)
@@ -136,7 +164,12 @@ def replicas_that_pay(s: MetricsSnapshot, t: Thresholds, old: int, new: int,
     learnt = (f" (the last replicas added made good {recovery:.0%} of the requests that missed before them)"
               if recovery < 1.0 else "")
     whose = "of the requests" if share is not None else "of the window's requests"
-    return old + k, (f"about {m:.0%} {whose} miss the objectives{asked}: with {old} "
+    hedge = "about"
+    if few is not None:
+        hedge = "at most"
+        whose = (f"of the window's requests ({few[1]:.0%} of {few[2]:.0f} read: too few to stand alone, so "
+                 f"judged {t.payoff_small_sample_z:g} standard errors up)")
+    return old + k, (f"{hedge} {m:.0%} {whose} miss the objectives{asked}: with {old} "
                      f"replica(s), {new - old} more can raise good requests per GPU-hour only if more "
                      f"than {line:.0%} miss{learnt}, so {'none' if k == 0 else k} added")
 

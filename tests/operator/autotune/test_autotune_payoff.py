@@ -64,6 +64,26 @@ def test_no_objective_or_too_few_requests_no_share():
     assert replicas_that_pay(replace(s, request_rate_per_s=0.5), SLO, 1, 2) == (2, None)
 
 
+def test_too_few_requests_are_judged_at_the_most_their_share_can_be():
+    # Mooncake's conversation trace at a quarter of its rate: 0.5-1 request/s, so a minute's
+    # window never held the 50 requests the share needs to stand alone, and every rule's
+    # scale-out went unguarded (1,078 good requests per GPU-hour against the defaults' 1,652,
+    # SIMULATED). Now the share is judged at its upper bound two standard errors up.
+    from kvpilot.operator.autotune.payoff import share_upper_bound
+    few = _queued(request_rate_per_s=0.5, num_waiting_now=0.0, **_ttft(0.8, 1.3, 1.8, 2.4))  # 30 finished
+    bound, read, n = share_upper_bound(few, SLO)
+    assert read == pytest.approx(miss_share(replace(few, request_rate_per_s=5.0), SLO))  # the same 13 %
+    assert n == pytest.approx(30.0) and read < bound < 0.5
+    allowed, why = replicas_that_pay(few, SLO, 1, 2)
+    assert allowed == 1 and "at most 30%" in why and "13% of 30 read" in why, why
+    # Three requests, none missing: they cannot rule out half missing, so the rules decide.
+    three = replace(few, request_rate_per_s=0.05, ttft_p50_s=0.1, ttft_p75_s=0.2, ttft_p90_s=0.3, ttft_p95_s=0.4)
+    assert share_upper_bound(three, SLO)[0] > 0.5
+    assert replicas_that_pay(three, SLO, 1, 2) == (2, None)
+    # Nothing finished: nothing to read.
+    assert share_upper_bound(replace(few, request_rate_per_s=0.0), SLO) is None
+
+
 def test_a_replica_that_cannot_pay_is_not_added():
     # About 14 % of the requests miss an objective: a second replica would add at most those, on
     # twice the GPUs. (Mooncake's conversation trace at half its rate: one replica serves 60 %
