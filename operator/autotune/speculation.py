@@ -84,9 +84,11 @@ def speculation_change(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, 
         return None
     if direction > 0 and diagnosis in NO_RAISE:
         return None
-    # The change is judged on TPOT: without a reading there is nothing to judge it by.
+    # The change is judged on TPOT: without a reading there is nothing to judge it by. Nor on a
+    # window in which load began or paused (some pod ran nothing at some point): its running
+    # mean is diluted, and the window it is judged against is not.
     target = "tpot_mean_s" if s.tpot_mean_s is not None else "tpot_p95_s" if s.tpot_p95_s is not None else None
-    if target is None:
+    if target is None or (s.running_min is not None and s.running_min < 0.5):
         return None
     rows = s.running_per_pod(cur.replicas)
     r = t.spec_compute_rows

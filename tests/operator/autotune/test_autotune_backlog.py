@@ -78,7 +78,8 @@ def test_the_mooncake_window_holds_its_replicas():
              num_waiting_now=0.0, tpot_p95_s=0.045, length_refusals_per_s=0.27)
     d = decide(s, cur, BOUNDS, past(Diagnosis.HARDWARE_BOUND, Diagnosis.HARDWARE_BOUND), T0,
                thresholds=replace(RULES, planner=True))
-    assert d.diagnosis is Diagnosis.HARDWARE_BOUND and "replicas" not in d.change, d.reason
+    # Nothing waits on average or now: queue p95 reads the waits of a few requests, no queue.
+    assert d.diagnosis is Diagnosis.HEALTHY and "replicas" not in d.change, d.reason
 
 
 def test_tpot_over_its_objective_still_scales_out_with_nothing_waiting():
@@ -168,3 +169,17 @@ def test_a_served_backlog_moves_no_setting_either(move):
     assert d.diagnosis is earlier and setting in d.change, d.reason
     d = decide(replace(queueing, num_waiting_now=0.0), cur, bounds, history, T0, thresholds=t)
     assert setting not in d.change and "backlog has been served" in d.reason, d.reason
+
+
+def test_queue_p95_with_nobody_waiting_is_no_queue():
+    # Mooncake's conversation trace at a quarter of its rate: queue p95 0.7-1.4 s from a few
+    # requests behind long prefills, with nothing waiting on average or now. Read as a queue,
+    # every window was HardwareBound, never calm, and the replicas added stayed for an hour.
+    cur = replace(CUR, replicas=3)
+    few = snap(queue_time_p95_s=1.37, num_waiting=0.0, num_waiting_now=0.0, num_running=3.0)
+    d = decide(few, cur, BOUNDS, past(Diagnosis.HARDWARE_BOUND), T0, thresholds=RULES)
+    assert d.diagnosis is Diagnosis.HEALTHY and "not a queue" in d.reason, d.reason
+    # Half a request or more waiting, on average or now, is a queue as before.
+    for waiting in (dict(num_waiting=0.5), dict(num_waiting_now=1.0)):
+        d = decide(replace(few, **waiting), cur, BOUNDS, past(Diagnosis.HARDWARE_BOUND), T0, thresholds=RULES)
+        assert d.diagnosis is Diagnosis.HARDWARE_BOUND, d.reason

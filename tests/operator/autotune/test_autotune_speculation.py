@@ -184,6 +184,14 @@ def test_no_evidence_no_move():
                bounds=replace(BOUNDS, num_speculative_tokens=None)).action is Action.HOLD  # not configured
 
 
+def test_no_move_on_a_window_in_which_load_began_or_paused():
+    # Its running mean is diluted, and the window the move is judged against is not: in a
+    # closed-loop ramp K went 4 -> 0 on a window reading 112 running per replica (247 once
+    # steady), and the next window's TPOT looked worse, so the move was reverted.
+    assert run(snap(running_min=0.0)).action is Action.HOLD
+    assert run(snap(running_min=1.0)).change == {"num_speculative_tokens": (4, 2)}
+
+
 def test_the_p95_is_the_target_when_the_mean_is_unknown():
     d = run(snap(tpot_mean_s=None))
     assert d.target == "tpot_p95_s" and d.throughput_baseline is None
