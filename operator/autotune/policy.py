@@ -227,7 +227,7 @@ def _diagnose_load(s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: H
     # Queue p95 with under half a request waiting, on average and now: a few requests' waits
     # (behind a long prefill, or a backlog served in the window), not a queue; read as one, it
     # kept a lightly loaded fleet under "pressure" for an hour, and no replica went back.
-    if s.num_waiting < t.waiting_exit and s.num_waiting_now is not None and s.num_waiting_now < t.waiting_exit:
+    if s.num_waiting < t.waiting_exit and s.backlog_served(t.waiting_exit):
         return Diagnosis.HEALTHY, (f"healthy: {queue} on average and {s.num_waiting_now:.0f} now: queue p95 reads "
                                    f"the waits of a few requests, not a queue; {kv}")
     ttft_level = t.ttft_pressure_level(in_queue)
