@@ -39,9 +39,8 @@ from .scale_in import scale_in_when_calm, scale_in_when_idle
 from .signals import MetricsSnapshot
 from .speculation import speculation_change
 from .steps import (len_target, lower_seqs, lower_seqs_for_tpot, raise_seqs, round_up, seqs_ceiling,
-                    steps_from_running,
-                    tpot_blocks_raise)
-from .verify import ago, fmt_change, judge_last_change, signal, throughput_baseline
+                    steps_from_running, tpot_blocks_raise)
+from .verify import ago, fmt_change, judge_last_change, signal, throughput_baseline, widened_under_verification
 
 
 def decide(
@@ -70,7 +69,8 @@ def decide(
     diagnosis, evidence = _diagnose(snapshot, current, bounds, history, thresholds)
 
     verdict = judge_last_change(snapshot, current, bounds, history, now, thresholds)
-    urgent = _urgent_scale_out(diagnosis, snapshot, current, bounds, history, thresholds)
+    widened = widened_under_verification(history) if verdict.wait and diagnosis is Diagnosis.TPOT_BOUND else None
+    urgent = None if widened else _urgent_scale_out(diagnosis, snapshot, current, bounds, history, thresholds)
     payoff = payoff_of(snapshot, current, history, thresholds, queueing=urgent is not None)
     # Replicas a rise seen a period ago will need (forecast.py): they start now, a pod's
     # start-up ahead of it; like a scale-out for a queue, nothing else holds them back.
@@ -92,7 +92,8 @@ def decide(
         if beside is not None:
             return _change(now, snapshot, thresholds, beside,
                            f"{evidence}; {verdict.wait}, but a scale-out is not reverted for its signal")
-        return Decision(now, diagnosis, Action.HOLD, f"{evidence}; {verdict.wait}")
+        undo = f"; {widened} widened each step: it goes back before a replica comes" if widened else ""
+        return Decision(now, diagnosis, Action.HOLD, f"{evidence}; {verdict.wait}{undo}")
     if verdict.revert:
         return Decision(now, diagnosis, Action.REVERT, verdict.note, change=verdict.revert,
                         verifies=verdict.verifies, verified=False)
@@ -148,9 +149,7 @@ def decide(
     if proposal is None or not proposal[0]:
         # The chunk budget before the batch width or replicas: a live, cheap move that the
         # fixed-ratio rules would otherwise spend on a narrower batch.
-        chunk = chunk_change(diagnosis, snapshot, current, bounds, history, now, thresholds)
-        if chunk is not None:
-            proposal = chunk
+        proposal = chunk_change(diagnosis, snapshot, current, bounds, history, now, thresholds) or proposal
     if proposal is None:
         proposal = _act(diagnosis, snapshot, current, bounds, history, now, capacity, thresholds)
     if proposal is None or not proposal[0]:
@@ -338,7 +337,8 @@ def _urgent_scale_out(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, b
     while TPOT is over its objective, no setting has headroom left (a narrower batch or smaller
     chunks would only lengthen the queue) or a full cache preempts (a narrower batch stops the
     recompute, not the shortage, and queues requests by itself: they must wait now too). Not
-    reverted for its signal, it waits for no verification, nor for a settings change's cooldown."""
+    reverted for its signal, it waits for no verification (but that of a wider step, when TPOT
+    breaks: `decide`), nor for a settings change's cooldown."""
     queueing = (s.queue_time_p95_s or 0.0) >= t.queue_enter_s or (s.num_waiting or 0.0) >= t.waiting_enter
     ttft_level = t.ttft_pressure_level(False)  # a queue the TTFT objective absorbs is no emergency
     queueing = queueing and (ttft_level is None or (s.queue_time_p95_s or 0.0) >= ttft_level)

@@ -66,6 +66,18 @@ def judge_last_change(s: MetricsSnapshot, cur: Settings, bounds: Bounds, history
     return Verdict(d.time, verified, note=f"verified: {notes[0] if notes else judged}" if verified else "")
 
 
+def widened_under_verification(history: History) -> str | None:
+    """The change still under verification that widened each engine step (a larger chunk
+    budget or batch), named; None if there is none. TPOT broken inside its window is the
+    change's doing until shown otherwise, and undoing it is headroom (policy's urgent scale-out)."""
+    pending = history.pending_verification()
+    if pending is None:
+        return None
+    change = pending.decision.change
+    wider = [k for k in ("max_num_batched_tokens", "max_num_seqs") if k in change and change[k][1] > change[k][0]]
+    return fmt_change({k: change[k] for k in wider}) if wider else None
+
+
 def settle_time(s: MetricsSnapshot) -> float:
     """How long after a change its window must start. Latencies (TPOT, queue time) are
     observed when a request finishes, so for a while after a change the histograms still

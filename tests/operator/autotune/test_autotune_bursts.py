@@ -122,6 +122,34 @@ def test_an_urgent_scale_out_weighs_the_queue_by_the_ttft_objective():
     assert d.action is Action.HOLD and "verifying" in d.reason
 
 
+def test_tpot_broken_while_a_wider_step_is_verified_is_undone_before_a_replica_is_added():
+    # Mooncake's conversation trace at half its rate (30-50 min): the chunk went 1024 -> 2048
+    # for a queue of prompt chunks; TPOT p95 is now 64 ms and the queue is still there. The
+    # raise is the likely cause, and lowering the chunk again is headroom: no replica yet.
+    raised = Decision(T0 - 30, Diagnosis.HARDWARE_BOUND, Action.CHANGE, "queue",
+                      change={"max_num_batched_tokens": (1024, 2048)}, target="num_waiting", baseline=2.7)
+    cur = replace(CUR, max_num_batched_tokens=2048)
+    queued = snap(**dict(BURST, running_min=2.0, tpot_p95_s=0.064, queue_time_p95_s=3.2, num_waiting=2.7,
+                         num_waiting_now=7.0, ttft_p95_s=4.8))
+    d = decide(queued, cur, BOUNDS, History().record(raised, applied=True), T0, thresholds=SLO)
+    assert d.action is Action.HOLD and "replicas" not in d.change, d.reason
+    assert "verifying max_num_batched_tokens 1024 -> 2048" in d.reason
+    assert "widened each step: it goes back before a replica comes" in d.reason
+    # Its window in, the chunk goes back down, still without a replica.
+    later = decide(queued, cur, BOUNDS, History().record(replace(raised, time=T0 - 60), applied=True), T0,
+                   thresholds=SLO)
+    assert later.change == {"max_num_batched_tokens": (2048, 1024)}, later.reason
+    # A wider batch is the same; a narrower chunk under verification did not break TPOT, and
+    # the queue gets its replica without waiting for the verdict.
+    seqs = replace(raised, change={"max_num_seqs": (64, 128)})
+    d = decide(queued, replace(cur, max_num_seqs=128), BOUNDS, History().record(seqs, applied=True), T0,
+               thresholds=SLO)
+    assert "replicas" not in d.change, d.reason
+    lowered = replace(raised, change={"max_num_batched_tokens": (4096, 2048)}, target="tpot_p95_s", baseline=0.08)
+    d = decide(queued, cur, BOUNDS, History().record(lowered, applied=True), T0, thresholds=SLO)
+    assert d.change == {"replicas": (1, 2)}, d.reason
+
+
 def test_an_idle_lull_between_bursts_does_not_repeat_a_scale_in_that_failed():
     # The code trace at x2: a scale-in to one replica in a lull, a scale-out for the next
     # burst; the next idle stretch must not take the replica away again within 10 minutes.
