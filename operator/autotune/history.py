@@ -104,15 +104,14 @@ class History:
     def with_good(self, now: float, good: float, finished: float, replicas: int) -> History:
         return replace(self, good_rates=(self.good_rates + ((now, good, finished, replicas),))[-self.limit:])
 
-    def recent_good(self, replicas: int) -> tuple[float, float] | None:
-        """The mean (good, finished) requests/s per replica over the latest run of intervals at
-        `replicas`."""
+    def recent_good(self, replicas: int) -> tuple[tuple[float, float, float, int], ...]:
+        """The good_rates of the latest run of intervals at `replicas`, oldest first."""
         run = []
-        for _, good, finished, r in reversed(self.good_rates):
-            if r != replicas:
+        for rate in reversed(self.good_rates):
+            if rate[3] != replicas:
                 break
-            run.append((good, finished))
-        return (sum(g for g, _ in run) / len(run), sum(f for _, f in run) / len(run)) if run else None
+            run.append(rate)
+        return tuple(reversed(run))
 
     def recent_plans(self, n: int) -> tuple[int, ...]:
         return tuple(r for _, r in self.plans[-n:]) if n > 0 else ()

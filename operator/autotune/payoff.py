@@ -43,8 +43,9 @@ had 18 %.
 
 The share is an upper bound on what a replica brings: some misses no replica recovers (prompts
 whose prefill alone takes longer than the objective, requests refused for length), and one
-window's share is noisy. So a scale-out is checked once its grown fleet has served a whole
-window (`unpaid_scale_out`): good requests/s per replica against their mean over the intervals
+window's share is noisy. So a scale-out is checked once the windows its grown fleet served
+whole hold payoff_min_requests (`unpaid_scale_out`, `pooled_good`; no further replica until
+then: `fleet_unjudged`): good requests/s per replica against their mean over the intervals
 before it at the smaller size (`record_good`, one point per interval, kept in the status). Clearly
 fewer (by more than `payoff_verify_margin`) and the added replicas go back; adding them again
 waits for `flip_backoff_s`, as a reverted setting does, unless arrivals outpace the fleet.
@@ -181,13 +182,68 @@ def good_per_replica(s: MetricsSnapshot, t: Thresholds, replicas: int) -> float 
 
 
 def record_good(history: History, s: MetricsSnapshot, replicas: int, t: Thresholds) -> History:
-    """The history with this interval's good and finished requests/s per replica (where the
-    miss share can be read)."""
-    if s.no_data_reason():
+    """The history with this interval's good and finished requests/s per replica, by the
+    window's miss share as read however few requests it holds (where it can be read at all):
+    a check pools thin windows until they hold enough (`pooled_good`)."""
+    if s.no_data_reason() or (read := share_read(s, t)) is None:
         return history
     serving = s.serving(replicas)
-    good = good_per_replica(s, t, serving)
-    return history if good is None else history.with_good(s.time, good, s.request_rate_per_s / serving, replicas)
+    finished = s.request_rate_per_s / serving
+    return history.with_good(s.time, finished * (1.0 - read[0]), finished, replicas)
+
+
+def pooled_good(rates: tuple[tuple[float, float, float, int], ...], window_s: float,
+                t: Thresholds) -> tuple[float, float, float] | None:
+    """(good, finished requests/s per replica, the requests read) over consecutive intervals'
+    good_rates, oldest first, once they hold `payoff_min_requests` (None before). Windows
+    overlap: after the first, each interval adds only the requests of the seconds since the
+    one before. At a quarter of Mooncake's conversation rate a minute holds 25-65 requests;
+    judged window by window, no scale-out there was ever checked, and pooled, the second and
+    third replicas made 0.26 and 0.19 good requests/s each against 0.47 for one."""
+    requests = _requests_read(rates, window_s)
+    if requests < t.payoff_min_requests:
+        return None
+    return (sum(r[1] for r in rates) / len(rates), sum(r[2] for r in rates) / len(rates), requests)
+
+
+def _requests_read(rates: tuple[tuple[float, float, float, int], ...], window_s: float) -> float:
+    if not rates:
+        return 0.0
+    requests = rates[0][2] * rates[0][3] * window_s
+    for (then, *_), (when, _, finished, replicas) in zip(rates, rates[1:]):
+        requests += finished * replicas * min(when - then, window_s)
+    return requests
+
+
+def _whole_windows(s: MetricsSnapshot, history: History, replicas: int) -> tuple | None:
+    """The good_rates of the windows the fleet served whole since its pods last grew to
+    `replicas`; None when they did not grow."""
+    grown = history.grown
+    if grown is None:
+        return None
+    return tuple(r for r in history.recent_good(replicas) if r[0] - s.window_s >= grown[0])
+
+
+def fleet_unjudged(s: MetricsSnapshot, cur: Settings, history: History, t: Thresholds) -> str | None:
+    """Why the fleet as it is has not been judged yet (None when it has): the newest replica
+    has served less than a window, or the last scale-out's check is still pooling thin
+    windows (`unpaid_scale_out`). Another replica waits: added before the judgement, it
+    would be judged with the first, and a replica that did not pay would stay."""
+    served = history.grown_within(s.time, s.window_s)
+    if served is not None:  # most of this window is the smaller fleet's: it says nothing of the new one
+        return f"the newest replica has served {served:.0f}s of the {s.window_s:.0f}s window"
+    last = history.last_applied()
+    if last is None or last.decision.good_per_replica is None or "replicas" not in last.decision.change:
+        return None
+    old, new = last.decision.change["replicas"]
+    if new <= old or cur.replicas != new or history.grown is None or history.grown[0] < last.decision.time:
+        return None
+    whole = _whole_windows(s, history, new) or ()
+    read = _requests_read(whole, s.window_s)
+    if not whole or read >= t.payoff_min_requests or len(whole) >= history.limit:  # judged, or never will be
+        return None
+    return (f"replicas {old} -> {new} are judged once the windows they served whole hold "
+            f"{t.payoff_min_requests} requests ({read:.0f} so far)")
 
 
 @dataclass(frozen=True)
@@ -228,8 +284,9 @@ def payoff_of(s: MetricsSnapshot, cur: Settings, history: History, t: Thresholds
     """This interval's Payoff; `queueing`: the queue grows past the TTFT level (an urgent scale-out)."""
     if queueing and (why := outpaced(s, cur, t)):
         return Payoff(outpaced=why)
+    before = pooled_good(history.recent_good(cur.replicas), s.window_s, t)
     return Payoff(returned=blocked_move(history, "replicas", +1, s.time, t), draining=draining(s, t),
-                  before=history.recent_good(cur.replicas), recovery=learned_recovery(history, s.time, t),
+                  before=before[:2] if before else None, recovery=learned_recovery(history, s.time, t),
                   rising=rising_share(history, s, cur.replicas, t))
 
 
@@ -290,9 +347,10 @@ def draining(s: MetricsSnapshot, t: Thresholds) -> str | None:
 def unpaid_scale_out(s: MetricsSnapshot, cur: Settings, history: History,
                      t: Thresholds) -> tuple[dict, str, tuple[float, float]] | None:
     """(replicas back, why, the (good, finished) requests/s per replica the grown fleet made) for
-    the last scale-out, judged once, at the first window its grown fleet served whole, when that
-    made clearly fewer good requests/s per replica than before it. The revert keeps those
-    figures: learned_recovery reads them."""
+    the last scale-out, judged once, as soon as the windows its grown fleet served whole hold
+    payoff_min_requests (the first such window, where traffic fills one: `pooled_good`), when
+    those made clearly fewer good requests/s per replica than before it. The revert keeps
+    those figures: learned_recovery reads them."""
     last = history.last_applied()
     if last is None or last.decision.good_per_replica is None or "replicas" not in last.decision.change:
         return None
@@ -301,19 +359,21 @@ def unpaid_scale_out(s: MetricsSnapshot, cur: Settings, history: History,
     grown = history.grown
     if cur.replicas != new or cur.hpa_owns_scale or grown is None or grown[0] < d.time or history.pods < new:
         return None
-    start = s.time - s.window_s
-    previous = history.diagnoses[-1][0] - s.window_s if history.diagnoses else -math.inf
-    if start < grown[0] or previous >= grown[0]:  # not served whole yet, or judged an interval ago
+    whole = _whole_windows(s, history, new)
+    if not whole or whole[-1][0] != s.time:  # not served whole yet, or this window unread
         return None
-    serving = s.serving(new)
-    good = good_per_replica(s, t, serving)
-    if good is None or good >= d.good_per_replica * (1.0 - t.payoff_verify_margin):
+    pooled = pooled_good(whole, s.window_s, t)
+    if pooled is None or pooled_good(whole[:-1], s.window_s, t) is not None:  # too few yet, or judged
         return None
+    good, finished, requests = pooled
+    if good >= d.good_per_replica * (1.0 - t.payoff_verify_margin):
+        return None
+    span = s.time - whole[0][0] + s.window_s
     return {"replicas": (new, old)}, (
-        f"replicas {old} -> {new} did not pay: {good:.2f} good requests/s per replica in the window its "
-        f"{new} served whole ({s.request_rate_per_s:.2f}/s finished, about {miss_share(s, t):.0%} missing "
-        f"the objectives) against {d.good_per_replica:.2f}/s before it; giving {new - old} back"), (
-        good, s.request_rate_per_s / serving)
+        f"replicas {old} -> {new} did not pay: {good:.2f} good requests/s per replica over the {span:.0f}s its "
+        f"{new} served whole ({requests:.0f} requests, {finished:.2f}/s per replica finished, about "
+        f"{1.0 - good / finished:.0%} missing the objectives) against {d.good_per_replica:.2f}/s before it; "
+        f"giving {new - old} back"), (good, finished)
 
 
 def learned_recovery(history: History, now: float, t: Thresholds) -> float:

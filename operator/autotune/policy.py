@@ -33,7 +33,7 @@ from .decision import DEFAULT_THRESHOLDS, Action, Bounds, Decision, Diagnosis, S
 from .forecast import ahead_of_load, holds_capacity
 from .history import History
 from .memory import PRESSURE, QUEUE_BOUND, blocked_move, broken_width, cap_in_window
-from .payoff import Payoff, payoff_of, unpaid_scale_out
+from .payoff import Payoff, fleet_unjudged, payoff_of, unpaid_scale_out
 from .planned import PLANNED, plan_from_history, planned_change, scale_out_in_cooldown
 from .scale_in import scale_in_when_calm, scale_in_when_idle
 from .signals import MetricsSnapshot
@@ -386,10 +386,8 @@ def _scale_out(cur: Settings, bounds: Bounds, history: History, s: MetricsSnapsh
         return {}, None, f"{prefix}an HPA owns the replica count, so replicas are left to it", diagnosis
     if cur.replicas >= bounds.replicas.max:
         return {}, None, f"{prefix}replicas already at the maximum {bounds.replicas.max}", diagnosis
-    served = history.grown_within(s.time, s.window_s)
-    if served is not None:  # most of this window is the smaller fleet's: it says nothing of the new one
-        return {}, None, (f"{prefix}the newest replica has served {served:.0f}s of the {s.window_s:.0f}s "
-                          f"window: judging the fleet as it is before adding more"), diagnosis
+    if (unjudged := fleet_unjudged(s, cur, history, t)) is not None:
+        return {}, None, f"{prefix}{unjudged}: judging the fleet as it is before adding more", diagnosis
     earlier = history.recent_diagnoses(t.scale_out_windows - 1)
     if len(earlier) < t.scale_out_windows - 1 or any(d not in PRESSURE for d in earlier):
         return {}, None, (f"{prefix}adding a replica once this lasts "

@@ -222,6 +222,31 @@ def test_a_replica_that_did_not_pay_goes_back_and_is_not_added_again_at_once():
         assert read.decision.finished_per_replica == pytest.approx(kept.decision.finished_per_replica, abs=1e-4)
 
 
+def test_a_scale_out_on_thin_windows_is_checked_once_they_pool_enough_requests():
+    # A quarter of Mooncake's conversation rate: 42 requests a minute, under the 50 a share
+    # needs. The scale-out goes through on the share's upper bound; window by window it was
+    # never checked, and the replica stayed (or more came). Pooled, the pair's first two whole
+    # windows hold 52 requests, and they made fewer good requests/s per replica than the one
+    # did; until then no third replica comes, though the queue asks for one.
+    thin = dict(request_rate_per_s=0.7, num_waiting=3.0, num_waiting_now=3.0)
+    before = _queued(**thin, **_ttft(2.5, 3.5, 4.5, 5.0))
+    after = _queued(**thin, **_ttft(1.5, 2.2, 3.0, 3.5))
+    assert miss_share(after, SLO) is None and good_per_replica(after, SLO, 2) is None  # too few alone
+    steps, history = _served([before] * 2 + [after] * 14, CUR)
+    assert any(d.change.get("replicas") == (1, 2) for d, _ in steps), [d.reason for d, _ in steps]
+    back = [d for d, _ in steps if d.action is Action.REVERT]
+    assert len(back) == 1 and back[0].change == {"replicas": (2, 1)}, [d.reason for d, _ in steps]
+    # added at 15 s, reporting from 75 s: the first whole window (135 s) holds 42, the next 52.
+    assert back[0].time - T0 == 150.0 and "(52 requests" in back[0].reason, back[0].reason
+    assert max(r for _, r in steps) == 2
+    waited = steps[9][0]
+    assert waited.time - T0 == 135.0 and "judged once the windows they served whole hold 50 requests (42 so far)" \
+        in waited.reason, waited.reason
+    # Windows that each hold enough are judged at the first, as before.
+    steps, _ = _served([_queued(**_ttft(2.5, 3.5, 4.5, 5.0))] * 2 + [_queued(**_ttft(1.5, 2.2, 3.0, 3.5))] * 14, CUR)
+    assert [d.time - T0 for d, _ in steps if d.action is Action.REVERT] == [135.0]
+
+
 def test_a_replica_that_paid_stays_and_is_judged_once():
     # Twice the good requests per replica once the two serve: it paid.
     paid = _queued(request_rate_per_s=9.0, **_ttft(0.4, 0.6, 0.9, 1.2))
