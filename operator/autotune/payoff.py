@@ -44,8 +44,8 @@ had 18 %.
 The share is an upper bound on what a replica brings: some misses no replica recovers (prompts
 whose prefill alone takes longer than the objective, requests refused for length), and one
 window's share is noisy. So a scale-out is checked once the windows its grown fleet served
-whole hold payoff_min_requests (`unpaid_scale_out`, `pooled_good`; no further replica until
-then: `fleet_unjudged`): good requests/s per replica against their mean over the intervals
+whole hold payoff_min_requests (`unpaid_scale_out`, `pooled_good`; the rules add no further
+replica until then: `fleet_unjudged`): good requests/s per replica against their mean over the intervals
 before it at the smaller size (`record_good`, one point per interval, kept in the status). Clearly
 fewer (by more than `payoff_verify_margin`) and the added replicas go back; adding them again
 waits for `flip_backoff_s`, as a reverted setting does, unless arrivals outpace the fleet.
