@@ -215,13 +215,19 @@ def _requests_read(rates: tuple[tuple[float, float, float, int], ...], window_s:
     return requests
 
 
-def _whole_windows(s: MetricsSnapshot, history: History, replicas: int) -> tuple | None:
-    """The good_rates of the windows the fleet served whole since its pods last grew to
-    `replicas`; None when they did not grow."""
-    grown = history.grown
-    if grown is None:
+def _awaiting_check(s: MetricsSnapshot, cur: Settings, history: History) -> tuple | None:
+    """(the last scale-out's Decision, old, new, the good_rates of the windows its grown fleet
+    served whole) while that scale-out is the one `unpaid_scale_out` judges: applied last, with
+    a figure to be checked against, its replicas all serving; None otherwise."""
+    last = history.last_applied()
+    if last is None or last.decision.good_per_replica is None or "replicas" not in last.decision.change:
         return None
-    return tuple(r for r in history.recent_good(replicas) if r[0] - s.window_s >= grown[0])
+    d, grown = last.decision, history.grown
+    old, new = d.change["replicas"]
+    if (new <= old or cur.replicas != new or cur.hpa_owns_scale or grown is None or grown[0] < d.time
+            or history.pods < new):
+        return None
+    return d, old, new, tuple(r for r in history.recent_good(new) if r[0] - s.window_s >= grown[0])
 
 
 def fleet_unjudged(s: MetricsSnapshot, cur: Settings, history: History, t: Thresholds) -> str | None:
@@ -232,13 +238,10 @@ def fleet_unjudged(s: MetricsSnapshot, cur: Settings, history: History, t: Thres
     served = history.grown_within(s.time, s.window_s)
     if served is not None:  # most of this window is the smaller fleet's: it says nothing of the new one
         return f"the newest replica has served {served:.0f}s of the {s.window_s:.0f}s window"
-    last = history.last_applied()
-    if last is None or last.decision.good_per_replica is None or "replicas" not in last.decision.change:
+    awaiting = _awaiting_check(s, cur, history)
+    if awaiting is None:
         return None
-    old, new = last.decision.change["replicas"]
-    if new <= old or cur.replicas != new or history.grown is None or history.grown[0] < last.decision.time:
-        return None
-    whole = _whole_windows(s, history, new) or ()
+    _, old, new, whole = awaiting
     read = _requests_read(whole, s.window_s)
     if not whole or read >= t.payoff_min_requests or len(whole) >= history.limit:  # judged, or never will be
         return None
@@ -351,19 +354,14 @@ def unpaid_scale_out(s: MetricsSnapshot, cur: Settings, history: History,
     payoff_min_requests (the first such window, where traffic fills one: `pooled_good`), when
     those made clearly fewer good requests/s per replica than before it. The revert keeps
     those figures: learned_recovery reads them."""
-    last = history.last_applied()
-    if last is None or last.decision.good_per_replica is None or "replicas" not in last.decision.change:
+    awaiting = _awaiting_check(s, cur, history)
+    if awaiting is None:
         return None
-    d = last.decision
-    old, new = d.change["replicas"]
-    grown = history.grown
-    if cur.replicas != new or cur.hpa_owns_scale or grown is None or grown[0] < d.time or history.pods < new:
-        return None
-    whole = _whole_windows(s, history, new)
+    d, old, new, whole = awaiting
     if not whole or whole[-1][0] != s.time:  # not served whole yet, or this window unread
         return None
     pooled = pooled_good(whole, s.window_s, t)
-    if pooled is None or pooled_good(whole[:-1], s.window_s, t) is not None:  # too few yet, or judged
+    if pooled is None or _requests_read(whole[:-1], s.window_s) >= t.payoff_min_requests:  # too few, or judged
         return None
     good, finished, requests = pooled
     if good >= d.good_per_replica * (1.0 - t.payoff_verify_margin):
