@@ -11,8 +11,10 @@ are prompt tokens (vllm:prompt_tokens_total against vllm:generation_tokens_total
 p95 against the objective, and the queue. Lowered under TPOTBound with
 prompt-heavy traffic, before the batch is narrowed, in proportion to the excess (halved to
 quartered); raised (doubled, up to the bound) when requests queue while TPOT has room and
-still wait at the window's end. A lowered budget is not raised again within flip_backoff_s,
-and each move is verified on its target signal like any other.
+still wait at the window's end; halved under SchedulerBound when TPOT alone keeps the batch
+from widening and prompt chunks fill the steps (`room_for_width`: the room, before a replica).
+A lowered budget is not raised again within flip_backoff_s, and each move is verified on its
+target signal like any other.
 
 TPOT p95 is each finished request's own mean time per output token, so a window in which
 load paused (bursty traffic: every window holds idle seconds) still measures it, where the
@@ -97,3 +99,24 @@ def chunk_change(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds
                     f"raise max_num_batched_tokens {mbt} -> {new}: requests queue for prompt chunks "
                     f"({share:.0%} of the tokens are prompt tokens) while {tpot}", diagnosis)
     return None
+
+
+def room_for_width(s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: History, now: float,
+                   t: Thresholds, tpot_block: str):
+    """A smaller chunk for SchedulerBound when only TPOT keeps the batch from widening (the
+    cache has room, the cap is below its ceiling) and most tokens processed are prompt tokens:
+    the chunk, not the batch, fills each step, so halving it is the room a wider batch needs,
+    and it costs no GPU where the rules would add a replica. None otherwise."""
+    r, mbt, n = bounds.max_num_batched_tokens, cur.max_num_batched_tokens, cur.max_num_seqs
+    if r is None or mbt is None or prompt_share(s) < t.chunk_prompt_share:
+        return None
+    kv_room = math.floor(n * t.kv_raise_target / max(s.kv_usage_max or 0.0, 1e-3)) > n
+    if not kv_room or n >= min(bounds.max_num_seqs.max, mbt) or blocked_move(history, "max_num_seqs", +1, now, t):
+        return None
+    new = max(r.min, n, mbt // 2)
+    if new >= mbt or blocked_move(history, SETTING, -1, now, t):
+        return None
+    return ({SETTING: (mbt, new)}, "tpot_p95_s",
+            f"{tpot_block}; lower max_num_batched_tokens {mbt} -> {new} first: {prompt_share(s):.0%} of the "
+            f"tokens processed are prompt tokens, so the chunk, not the batch, fills each step",
+            Diagnosis.SCHEDULER_BOUND)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 
 from .capacity import CapacityPlan
-from .chunk import beside_scale_out, chunk_change, tpot_sampled
+from .chunk import beside_scale_out, chunk_change, room_for_width, tpot_sampled
 from .decision import DEFAULT_THRESHOLDS, Action, Bounds, Decision, Diagnosis, Settings, Thresholds
 from .forecast import ahead_of_load, holds_capacity
 from .history import History
@@ -311,6 +311,8 @@ def _act(diagnosis: Diagnosis, s: MetricsSnapshot, cur: Settings, bounds: Bounds
             # at once and the window's p95 jumps because the change worked.
             return ({"max_num_seqs": (cur.max_num_seqs, new)}, "num_waiting",
                     f"raise max_num_seqs {cur.max_num_seqs} -> {new}", diagnosis)
+        if tpot_block and not served and (room := room_for_width(s, cur, bounds, history, now, t, tpot_block)):
+            return room  # the chunk's room for a wider batch before a replica (chunk.py)
         # (_scale_out says so when the backlog has been served)
         note = blocked or ("" if served else f"max_num_seqs already at its limit {seqs_ceiling(cur, bounds)}")
         # Too slow per step for a wider batch: the hardware, not the cap, is what binds.

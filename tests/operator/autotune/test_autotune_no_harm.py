@@ -314,3 +314,22 @@ def test_a_backlog_already_served_adds_no_replica():
     assert "replicas" not in d.change, d.reason
     building = replace(served, num_waiting=20.0, num_waiting_now=40.0)
     assert decide(building, cur, BOUNDS, h, T0, thresholds=t).change == {"replicas": (2, 3)}
+
+
+def test_a_cap_held_by_tpot_under_prompt_chunks_gets_a_smaller_chunk_before_a_replica():
+    # Long prompts (96 % of the tokens processed): the cap binds with the cache at 40 % and
+    # requests queue, but TPOT p95 at 48 ms leaves no room for a wider batch. The chunk, not
+    # the batch, fills each step: halving it is the room, and costs no GPU.
+    t = Thresholds(tpot_objective_s=0.05, cooldown_s=60.0)
+    cur = replace(CUR, max_num_seqs=27, max_num_batched_tokens=4096)
+    held = snap(num_running=27.0, running_min=26.0, kv_usage_mean=0.4, kv_usage_max=0.5, queue_time_p95_s=40.0,
+                num_waiting=60.0, num_waiting_now=60.0, tpot_p95_s=0.048, prompt_tokens_per_s=30000.0,
+                generation_tokens_per_s=1200.0, request_rate_per_s=3.0)
+    d = decide(held, cur, BOUNDS, History(), T0, thresholds=t)
+    assert d.diagnosis is Diagnosis.SCHEDULER_BOUND, d.reason
+    assert d.change == {"max_num_batched_tokens": (4096, 2048)} and d.target == "tpot_p95_s"
+    assert "leaves no room" in d.reason and "so the chunk, not the batch, fills each step" in d.reason
+    # Decode-heavy traffic held the same way has no chunk to give: a replica (as before).
+    decode = replace(held, prompt_tokens_per_s=1000.0, generation_tokens_per_s=3000.0)
+    d = decide(decode, cur, BOUNDS, History(), T0, thresholds=t)
+    assert "max_num_batched_tokens" not in d.change, d.reason
