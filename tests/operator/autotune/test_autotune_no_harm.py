@@ -329,7 +329,7 @@ def test_a_cap_held_by_tpot_under_prompt_chunks_gets_a_smaller_chunk_before_a_re
     assert d.diagnosis is Diagnosis.SCHEDULER_BOUND, d.reason
     assert d.change == {"max_num_batched_tokens": (4096, 2048)} and d.target == "tpot_p95_s"
     assert "leaves no room" in d.reason and "so the chunk, not the batch, fills each step" in d.reason
-    # Decode-heavy traffic held the same way has no chunk to give: a replica (as before).
+    # Decode-heavy traffic held the same way has no chunk to give: the rules' way to a replica, as before.
     decode = replace(held, prompt_tokens_per_s=1000.0, generation_tokens_per_s=3000.0)
     d = decide(decode, cur, BOUNDS, History(), T0, thresholds=t)
     assert "max_num_batched_tokens" not in d.change, d.reason
