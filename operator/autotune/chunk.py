@@ -33,6 +33,7 @@ from .decision import Bounds, Diagnosis, Settings, Thresholds
 from .history import History
 from .memory import QUEUE_BOUND, blocked_move
 from .signals import MetricsSnapshot
+from .steps import kv_width, seqs_ceiling
 
 SETTING = "max_num_batched_tokens"
 
@@ -110,8 +111,7 @@ def room_for_width(s: MetricsSnapshot, cur: Settings, bounds: Bounds, history: H
     r, mbt, n = bounds.max_num_batched_tokens, cur.max_num_batched_tokens, cur.max_num_seqs
     if r is None or mbt is None or prompt_share(s) < t.chunk_prompt_share:
         return None
-    kv_room = math.floor(n * t.kv_raise_target / max(s.kv_usage_max or 0.0, 1e-3)) > n
-    if not kv_room or n >= min(bounds.max_num_seqs.max, mbt) or blocked_move(history, "max_num_seqs", +1, now, t):
+    if kv_width(s, n, t) <= n or n >= seqs_ceiling(cur, bounds) or blocked_move(history, "max_num_seqs", +1, now, t):
         return None
     new = max(r.min, n, mbt // 2)
     if new >= mbt or blocked_move(history, SETTING, -1, now, t):

@@ -44,12 +44,16 @@ def seqs_ceiling(cur: Settings, bounds: Bounds) -> int:
     return ceiling
 
 
+def kv_width(s: MetricsSnapshot, n: int, t: Thresholds) -> int:
+    """The widest cap that keeps the projected peak KV usage under kv_raise_target, usage
+    taken to scale with the sequences admitted (n of them now)."""
+    return math.floor(n * t.kv_raise_target / max(s.kv_usage_max or 0.0, 1e-3))
+
+
 def raise_seqs(s: MetricsSnapshot, cur: Settings, bounds: Bounds, t: Thresholds) -> int | None:
     n = cur.max_num_seqs
     new = max(n + 1, math.ceil(n * t.seq_increase))
-    # Keep the projected peak KV usage (usage scales with admitted sequences) under target.
-    projected = math.floor(n * t.kv_raise_target / max(s.kv_usage_max, 1e-3))
-    new = min(new, max(n + 1, projected))
+    new = min(new, max(n + 1, kv_width(s, n, t)))
     room = tpot_room(s, cur, t)
     if room is not None:
         new = min(new, room)
